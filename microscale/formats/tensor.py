@@ -1,0 +1,134 @@
+"""QTensor: a quantized 2-D weight [N, K] in one of the block-scaled formats.
+
+A plain dataclass rather than a torch.Tensor subclass: kernels, modules and checkpoint
+code take its fields (data, scale, global_scale) explicitly, modules register them as
+buffers, and torch.compile sees only ordinary tensors. The class owns the invariants
+(dtypes and shapes against the format and scale layout) and the dequantization rule.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .codec import e2m1_decode, e4m3_decode, e8m0_decode
+from .packing import unpack_fp4
+from .scale_layout import swizzle_scales_128x4, swizzled_scale_shape, unswizzle_scales_128x4
+from .spec import FormatSpec, get_format
+
+SCALE_LAYOUTS = ("linear", "swizzled")
+
+
+def padded_k(k: int, block: int) -> int:
+    return (k + block - 1) // block * block
+
+
+@dataclass
+class QTensor:
+    """Quantized weight W [N, K] (logical shape), K zero-padded to a whole block.
+
+    data:         uint8 [N, Kp/2] packed E2M1 (low nibble = even K), or float8_e4m3fn [N, Kp]
+    scale:        block scales, e4m3 (NVFP4) or uint8 biased E8M0 (MX);
+                  "linear" layout [N, Kp/block], "swizzled" layout [ceil128(N), ceil4(Kp/block)]
+    global_scale: NVFP4 only: float32 0-d *encode* scale (compressed-tensors convention,
+                  448*6/amax for a computed one); dequantized W = q * (scale / global_scale)
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: FormatSpec
+    shape: tuple
+    global_scale: Optional[torch.Tensor] = None
+    scale_layout: str = "linear"
+    orig_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        self.fmt = get_format(self.fmt)
+        self.shape = tuple(int(s) for s in self.shape)
+        self._validate()
+
+    # ---- invariants -------------------------------------------------------------------
+    def _validate(self):
+        f, name = self.fmt, self.fmt.name
+        if len(self.shape) != 2 or min(self.shape) < 1:
+            raise ValueError(f"QTensor[{name}]: logical shape must be 2-D and non-empty, got {self.shape}")
+        n, kp = self.shape[0], padded_k(self.shape[1], f.block)
+        want_data = (n, kp // 2) if f.packed else (n, kp)
+        if self.data.dtype != f.data_dtype or tuple(self.data.shape) != want_data:
+            raise ValueError(
+                f"QTensor[{name}]: data must be {f.data_dtype} of shape {list(want_data)} for logical shape "
+                f"{list(self.shape)}, got {self.data.dtype} of shape {list(self.data.shape)}"
+            )
+        if self.scale_layout not in SCALE_LAYOUTS:
+            raise ValueError(f"QTensor[{name}]: scale_layout {self.scale_layout!r} not in {SCALE_LAYOUTS}")
+        cols = kp // f.block
+        want_scale = (n, cols) if self.scale_layout == "linear" else swizzled_scale_shape(n, cols)
+        if self.scale.dtype != f.scale_dtype or tuple(self.scale.shape) != tuple(want_scale):
+            raise ValueError(
+                f"QTensor[{name}]: {self.scale_layout} scale must be {f.scale_dtype} of shape {list(want_scale)}, "
+                f"got {self.scale.dtype} of shape {list(self.scale.shape)}"
+            )
+        if f.global_scale:
+            g = self.global_scale
+            if g is None or g.dtype != torch.float32 or g.numel() != 1:
+                raise ValueError(f"QTensor[{name}]: global_scale must be a float32 scalar tensor, got {g!r}")
+            if not (torch.isfinite(g).all() and (g > 0).all()):
+                raise ValueError(f"QTensor[{name}]: global_scale must be finite and > 0, got {g.item()}")
+        elif self.global_scale is not None:
+            raise ValueError(f"QTensor[{name}]: this format has no global scale")
+        if self.data.device != self.scale.device:
+            raise ValueError(f"QTensor[{name}]: data on {self.data.device} but scale on {self.scale.device}")
+
+    # ---- views and copies ---------------------------------------------------------------
+    def replace(self, **changes) -> "QTensor":
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device) -> "QTensor":
+        g = None if self.global_scale is None else self.global_scale.to(device)
+        return self.replace(data=self.data.to(device), scale=self.scale.to(device), global_scale=g)
+
+    @property
+    def scale_cols(self) -> int:
+        return padded_k(self.shape[1], self.fmt.block) // self.fmt.block
+
+    def linear_scale(self) -> torch.Tensor:
+        """Block scales as [N, Kp/block], whatever the stored layout."""
+        if self.scale_layout == "linear":
+            return self.scale
+        return unswizzle_scales_128x4(self.scale, self.shape[0], self.scale_cols)
+
+    def with_scale_layout(self, layout: str) -> "QTensor":
+        if layout == self.scale_layout:
+            return self
+        scale = self.linear_scale() if layout == "linear" else swizzle_scales_128x4(self.scale)
+        return self.replace(scale=scale, scale_layout=layout)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data plus block scales as stored (swizzle padding included)."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel()
+
+    # ---- dequantization ---------------------------------------------------------------
+    def codes_as_float(self) -> torch.Tensor:
+        """Element values before scaling, float32 [N, Kp]."""
+        if self.fmt.packed:
+            return e2m1_decode(unpack_fp4(self.data))
+        return e4m3_decode(self.data)
+
+    def block_scale_as_float(self) -> torch.Tensor:
+        """Effective per-block multiplier, float32 [N, Kp/block] (global scale folded in)."""
+        s = self.linear_scale()
+        if self.fmt.scale == "e4m3":
+            s = e4m3_decode(s)
+        else:
+            s = e8m0_decode(s)
+        if self.fmt.global_scale:
+            s = s / self.global_scale
+        return s
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        q = self.codes_as_float().view(n, self.scale_cols, self.fmt.block)
+        w = (q * self.block_scale_as_float()[..., None]).view(n, -1)
+        return w[:, :k].to(dtype)
