@@ -1,0 +1,1 @@
+"""Quantized modules (FP4Linear, FP8Linear), quantize_model, save/load and CLI commands."""
