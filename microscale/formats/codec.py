@@ -105,21 +105,17 @@ def e8m0_from_amax(amax: torch.Tensor, spec: FormatSpec, mode=ScaleMode.RCEIL) -
     """
     mode = ScaleMode(mode)
     amax = amax.float()
+    v = amax
+    if mode is ScaleMode.EVEN:
+        bits = amax.view(torch.int32) + (1 << (22 - spec.elem_mbits))
+        v = (bits & 0x7F800000).view(torch.float32)
     if mode is ScaleMode.RCEIL:
-        _, e = _floor_ceil_log2(amax / spec.elem_max)
-    elif mode is ScaleMode.CEIL:
-        _, e = _floor_ceil_log2(amax)
-        e = e - spec.elem_emax
+        _, e = _floor_ceil_log2(v / spec.elem_max)
     else:
-        v = amax
-        if mode is ScaleMode.EVEN:
-            bits = amax.view(torch.int32) + (1 << (22 - spec.elem_mbits))
-            v = (bits & 0x7F800000).view(torch.float32)
-        e, _ = _floor_ceil_log2(v)
-        e = e - spec.elem_emax
-        amax = v
+        floor, ceil = _floor_ceil_log2(v)
+        e = (ceil if mode is ScaleMode.CEIL else floor) - spec.elem_emax
     b = (e + E8M0_BIAS).clamp(0, 254)
-    b = torch.where(amax == 0, torch.zeros_like(b), b)
+    b = torch.where(v == 0, torch.zeros_like(b), b)  # no exponent: the smallest scale
     b = torch.where(torch.isinf(amax), torch.full_like(b, 254), b)
     b = torch.where(torch.isnan(amax), torch.full_like(b, E8M0_NAN), b)
     return b.to(torch.uint8)

@@ -12,8 +12,8 @@ from ..formats.spec import E2M1_MAX, E4M3_MAX, E8M0_BIAS, get_format
 from ..formats.tensor import QTensor, padded_k
 
 ACCEPTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-NVFP4_RECIPES = ("compressed-tensors", "modelopt", "torchao")
 NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688: maps the tensor amax to 6 * 448
+NVFP4_RECIPES = ("compressed-tensors", "modelopt", "torchao")
 
 
 def check_weight(w, name: str = "weight") -> None:
@@ -35,7 +35,7 @@ def check_weight(w, name: str = "weight") -> None:
 
 
 def _blocks(w: torch.Tensor, block: int) -> torch.Tensor:
-    """[N, K] -> zero-padded [N, Kp/block, block] in w's dtype."""
+    """[N, K] -> zero-padded [N, Kp/block, block]."""
     n, k = w.shape
     kp = padded_k(k, block)
     if kp != k:
@@ -44,57 +44,63 @@ def _blocks(w: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' encode global scale 448*6/amax, as float32 0-d; 1.0 when not finite.
-
-    The division runs in w's dtype, as compressed-tensors' observers do on bf16 weights.
-    """
-    amax = w.abs().amax()
-    g = (NVFP4_GLOBAL_NUMERATOR / amax).float()
+    """compressed-tensors' encode global scale 448*6/amax, as float32 0-d; 1.0 when not finite."""
+    amax = w.abs().amax().float()
+    # a true division: torch evaluates `scalar / tensor` as scalar * reciprocal, which can differ by 1 ulp
+    g = torch.full_like(amax, NVFP4_GLOBAL_NUMERATOR) / amax
     return torch.where(torch.isfinite(g), g, torch.ones_like(g))
 
 
-def _nvfp4_compressed_tensors(x, amax_hp, g):
+def _nvfp4_compressed_tensors(x, amax_blk, g):
     """Block scale = e4m3((amax/6) * g), 0 -> 0.125; elements = x / (scale / g)."""
-    s = e4m3_encode((amax_hp / E2M1_MAX).float() * g)
+    s = e4m3_encode((amax_blk / E2M1_MAX) * g)
     s = torch.where(s.float() == 0, torch.full_like(s, 0.125), s)
     y = x / (s.float() / g)[..., None]
     return s, y
 
 
-def _nvfp4_modelopt(x, amax, g):
-    """ModelOpt: decode scale d = 1/g; block scale = amax/(6d), 0 -> 1, clamped to [2^-9, 448]."""
-    d = 1.0 / g
-    s = amax / (E2M1_MAX * d)
+def _nvfp4_modelopt(x, amax_blk, d):
+    """ModelOpt: d = weight_scale_2; block scale = amax/(6d), 0 -> 1, clamped to [2^-9, 448]."""
+    s = amax_blk / (E2M1_MAX * d)
     s = torch.where(s == 0, torch.ones_like(s), s).clamp(2.0**-9, E4M3_MAX)
     s = e4m3_encode(s)
     y = x / (s.float() * d)[..., None]
     return s, y
 
 
-def _nvfp4_torchao(x, amax, g):
-    """torchao: per-tensor decode scale p = 1/g; block scale clamp((amax/6)/p, 2^-6, 448); x * ((1/p)/s)."""
-    p = 1.0 / g
-    s = e4m3_encode(((amax / E2M1_MAX) / p).clamp(2.0**-6, E4M3_MAX))
-    y = x * ((1.0 / p) / s.float())[..., None]
+def _nvfp4_torchao(x, amax_blk, d):
+    """torchao: d = per_tensor_scale; block scale clamp((amax/6)/d, 2^-6, 448); x * ((1/d)/s)."""
+    s = e4m3_encode(((amax_blk / E2M1_MAX) / d).clamp(2.0**-6, E4M3_MAX))
+    y = x * ((1.0 / d) / s.float())[..., None]
     return s, y
 
 
-_NVFP4_RECIPE_FNS = {
-    "compressed-tensors": _nvfp4_compressed_tensors,
-    "modelopt": _nvfp4_modelopt,
-    "torchao": _nvfp4_torchao,
+# recipe -> (block function, whether its global scale is an encode scale)
+_NVFP4_RECIPES = {
+    "compressed-tensors": (_nvfp4_compressed_tensors, True),
+    "modelopt": (_nvfp4_modelopt, False),
+    "torchao": (_nvfp4_torchao, False),
 }
 
 
-def _nvfp4_default_global(w, recipe):
-    """Each recipe's own computed global scale, returned in the encode direction."""
-    if recipe == "compressed-tensors":
+def _nvfp4_recipe_global(w, recipe, global_scale):
+    """The recipe's own global scale (encode for compressed-tensors, decode otherwise).
+
+    Given scales are always in the encode direction and inverted for decode recipes; a computed
+    decode scale stays exactly as that library computes it (amax / 2688; 1.0 for an all-zero
+    tensor or one below about 1e-35, whose encode scale would overflow).
+    """
+    encode = _NVFP4_RECIPES[recipe][1]
+    if global_scale is not None:
+        g = torch.as_tensor(global_scale, dtype=torch.float32, device=w.device).reshape(())
+        if not (torch.isfinite(g) and g > 0):
+            raise ValueError(f"global_scale must be finite and > 0, got {g.item()}")
+        return g if encode else 1.0 / g
+    if encode:
         return nvfp4_global_scale(w)
-    amax = w.abs().amax().float()
-    d = amax / NVFP4_GLOBAL_NUMERATOR  # ModelOpt weight_scale_2 / torchao per_tensor_scale
-    if d == 0:
-        return torch.ones((), dtype=torch.float32, device=w.device)
-    return 1.0 / d
+    d = w.abs().amax().float() / NVFP4_GLOBAL_NUMERATOR
+    # zero, or so small that its reciprocal (the encode scale we store) overflows: use 1.0
+    return torch.where(torch.isfinite(1.0 / d), d, torch.ones_like(d))
 
 
 def quantize(
@@ -109,7 +115,9 @@ def quantize(
     """Quantize a 2-D weight [N, K] along K to "nvfp4", "mxfp4" or "mxfp8".
 
     NVFP4 recipes ("compressed-tensors" default, "modelopt", "torchao") reproduce those
-    libraries' codes and block scales bit for bit (formats-spec section 1). global_scale is
+    libraries' codes and block scales bit for bit (formats-spec section 1), in float32
+    arithmetic throughout (compressed-tensors' observers keep a bf16 weight's amax in bf16,
+    so on bf16 weights its scales can differ from these in rare rounding cases). global_scale is
     the encode scale (448*6/amax convention); computed from w when not given. Recipes that
     use a decode scale (ModelOpt, torchao) use its reciprocal. An all-zero tensor gets 1.0.
     MX formats take scale_mode (FLOOR, RCEIL, CEIL, EVEN; see ScaleMode).
@@ -117,22 +125,16 @@ def quantize(
     spec = get_format(fmt)
     check_weight(w)
     n, k = w.shape
-    blocks_hp = _blocks(w, spec.block)
-    x = blocks_hp.float()
+    x = _blocks(w.float(), spec.block)
     amax = x.abs().amax(-1)
 
     if spec.global_scale:
-        if recipe not in NVFP4_RECIPES:
-            raise ValueError(f"unknown NVFP4 recipe {recipe!r}; accepted: {', '.join(NVFP4_RECIPES)}")
-        if global_scale is None:
-            g = _nvfp4_default_global(w, recipe)
-        else:
-            g = torch.as_tensor(global_scale, dtype=torch.float32, device=w.device).reshape(())
-            if not (torch.isfinite(g) and g > 0):
-                raise ValueError(f"global_scale must be finite and > 0, got {g.item()}")
-        g = g.to(w.device)
-        amax_arg = blocks_hp.abs().amax(-1) if recipe == "compressed-tensors" else amax
-        scale, y = _NVFP4_RECIPE_FNS[recipe](x, amax_arg, g)
+        if recipe not in _NVFP4_RECIPES:
+            raise ValueError(f"unknown NVFP4 recipe {recipe!r}; accepted: {', '.join(_NVFP4_RECIPES)}")
+        block_fn, encode = _NVFP4_RECIPES[recipe]
+        d = _nvfp4_recipe_global(w, recipe, global_scale)
+        scale, y = block_fn(x, amax, d)
+        g = d if encode else 1.0 / d
     else:
         if global_scale is not None:
             raise ValueError(f"{spec.name} has no global scale; got global_scale={global_scale!r}")
