@@ -105,7 +105,8 @@ def _load_linear_scales(ptr, row0, col0, n_rows, n_cols, row_stride, ROWS: tl.co
     rows = row0 + tl.arange(0, ROWS)
     cols = col0 + tl.arange(0, COLS)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0)
+    raw = tl.load(ptr.to(tl.pointer_type(tl.uint8)) + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0)
+    return raw.to(ptr.dtype.element_ty, bitcast=True)  # masked-off scales are 0 (never NaN)
 
 
 @triton.jit
@@ -124,8 +125,8 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def block_scaled_gemm_kernel(
         lhs_desc, lhs_scale_desc,  # lhs data [rows_lhs, K bytes]; its scales, 5-D swizzled view
         rhs_desc, rhs_scale,  # rhs data; scales: 5-D swizzled view, or pointer to linear [rows_rhs, cols] if SWAP_AB
-        out_ptr, bias_ptr, lhs_global_ptr, rhs_global_ptr,
-        rows_lhs, rows_rhs, k, scale_cols, out_stride_lhs, out_stride_rhs,
+        out_desc, bias_ptr, lhs_global_ptr, rhs_global_ptr,  # out_desc: y [M, N], block [BLOCK_M, BLOCK_N] or transposed
+        rows_lhs, rows_rhs, k, scale_cols,
         LHS_FMT: tl.constexpr, RHS_FMT: tl.constexpr, VEC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -150,7 +151,7 @@ def block_scaled_gemm_kernel(
         row_lhs = pid_m * BLOCK_M
         row_rhs = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in tl.range(k_tiles, num_stages=NUM_STAGES):
+        for ki in tl.range(k_tiles, num_stages=NUM_STAGES, warp_specialize=True):
             lhs = lhs_desc.load([row_lhs, ki * LHS_K_BYTES])
             rhs = rhs_desc.load([row_rhs, ki * RHS_K_BYTES])
             lhs_scale = _load_swizzled_scales(lhs_scale_desc, row_lhs, ki * SCALE_COLS, BLOCK_M, SCALE_COLS)
@@ -161,15 +162,17 @@ def block_scaled_gemm_kernel(
                 rhs_scale_tile = _load_swizzled_scales(rhs_scale, row_rhs, ki * SCALE_COLS, BLOCK_N, SCALE_COLS)
             acc = _mma(acc, lhs, lhs_scale, rhs, rhs_scale_tile, LHS_FMT, RHS_FMT, VEC, EMULATE_MMA)
 
-        # epilogue: global scales, bias, cast, masked store (transposed when SWAP_AB)
-        offs_lhs = row_lhs + tl.arange(0, BLOCK_M)
-        offs_rhs = row_rhs + tl.arange(0, BLOCK_N)
+        # epilogue: global scales, bias, cast; TMA store (transposed when SWAP_AB) clips ragged edges
         acc = acc * alpha
         if HAS_BIAS:
             if SWAP_AB:
-                acc += tl.load(bias_ptr + offs_lhs, mask=offs_lhs < rows_lhs, other=0.0).to(tl.float32)[:, None]
+                offs = row_lhs + tl.arange(0, BLOCK_M)
+                acc += tl.load(bias_ptr + offs, mask=offs < rows_lhs, other=0.0).to(tl.float32)[:, None]
             else:
-                acc += tl.load(bias_ptr + offs_rhs, mask=offs_rhs < rows_rhs, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + (offs_lhs.to(tl.int64)[:, None] * out_stride_lhs + offs_rhs.to(tl.int64)[None, :] * out_stride_rhs)
-        mask = (offs_lhs[:, None] < rows_lhs) & (offs_rhs[None, :] < rows_rhs)
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                offs = row_rhs + tl.arange(0, BLOCK_N)
+                acc += tl.load(bias_ptr + offs, mask=offs < rows_rhs, other=0.0).to(tl.float32)[None, :]
+        tile = acc.to(out_desc.dtype)
+        if SWAP_AB:
+            out_desc.store([row_rhs, row_lhs], tile.T)
+        else:
+            out_desc.store([row_lhs, row_rhs], tile)
