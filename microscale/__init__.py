@@ -2,5 +2,7 @@
 
 from .formats import FORMATS, MXFP4, MXFP8, NVFP4, QTensor, ScaleMode, get_format
 from .quant import dequantize, quantize
+from .models.linear import FP4Linear, FP8Linear
+from .models.quantize_model import quantize_model
 
 __version__ = "0.1.0"

@@ -66,8 +66,8 @@ def _scale_to_float(scale):
 
 
 @triton.jit
-def _dequantize_tile(data, scale, FMT: tl.constexpr, VEC: tl.constexpr):
-    """[rows, K bytes] codes + [rows, K/VEC] scales -> [rows, K] bfloat16 (exact)."""
+def _dequantize_tile(data, scale, FMT: tl.constexpr, VEC: tl.constexpr, DTYPE: tl.constexpr):
+    """[rows, K bytes] codes + [rows, K/VEC] scales -> [rows, K] in DTYPE (exact in bfloat16 and float32)."""
     ROWS: tl.constexpr = data.shape[0]
     if FMT == "e2m1":
         codes = tl.join(data & 0xF, data >> 4).reshape(ROWS, data.shape[1] * 2)  # low nibble = even K
@@ -76,16 +76,16 @@ def _dequantize_tile(data, scale, FMT: tl.constexpr, VEC: tl.constexpr):
         values = data.to(tl.float32)
     COLS: tl.constexpr = values.shape[1]
     factor = tl.broadcast_to(_scale_to_float(scale)[:, :, None], (ROWS, COLS // VEC, VEC)).reshape(ROWS, COLS)
-    return (values * factor).to(tl.bfloat16)
+    return (values * factor).to(DTYPE)
 
 
 @triton.jit
 def _mma(acc, lhs, lhs_scale, rhs, rhs_scale, LHS_FMT: tl.constexpr, RHS_FMT: tl.constexpr, VEC: tl.constexpr,
-         EMULATE_MMA: tl.constexpr):
+         EMULATE_MMA: tl.constexpr, EMULATED_DTYPE: tl.constexpr):
     """acc += (lhs * lhs_scale) @ (rhs * rhs_scale)^T; lhs and rhs are K-major tiles."""
     if EMULATE_MMA:
-        a = _dequantize_tile(lhs, lhs_scale, LHS_FMT, VEC)
-        b = _dequantize_tile(rhs, rhs_scale, RHS_FMT, VEC)
+        a = _dequantize_tile(lhs, lhs_scale, LHS_FMT, VEC, EMULATED_DTYPE)
+        b = _dequantize_tile(rhs, rhs_scale, RHS_FMT, VEC, EMULATED_DTYPE)
         return tl.dot(a, b.T, acc)
     else:
         return tl.dot_scaled(lhs, lhs_scale, LHS_FMT, rhs.T, rhs_scale, RHS_FMT, acc)
@@ -123,19 +123,23 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 # ---- the kernel ---------------------------------------------------------------------------------
 @triton.jit
 def block_scaled_gemm_kernel(
-        lhs_desc, lhs_scale_desc,  # lhs data [rows_lhs, K bytes]; its scales, 5-D swizzled view
-        rhs_desc, rhs_scale,  # rhs data; scales: 5-D swizzled view, or pointer to linear [rows_rhs, cols] if SWAP_AB
-        out_desc, bias_ptr, lhs_global_ptr, rhs_global_ptr,  # out_desc: y [M, N], block [BLOCK_M, BLOCK_N] or transposed
-        rows_lhs, rows_rhs, k, scale_cols,
+        lhs_desc, lhs_scale_desc,  # lhs codes [rows_lhs, K bytes]; its scales in the 5-D swizzled view
+        rhs_desc, rhs_scale,  # rhs codes; scales: 5-D swizzled view, or (SWAP_AB) pointer to linear [rows_rhs, cols]
+        out_desc,  # y [M, N]; block [BLOCK_M, BLOCK_N // 2], or [BLOCK_N, BLOCK_M] when SWAP_AB
+        bias_ptr, lhs_global_ptr, rhs_global_ptr,  # None when absent (bias [N]; fp32 NVFP4 encode scales)
+        rows_lhs, rows_rhs, k, scale_cols,  # k: padded K in elements; scale_cols: columns of linear rhs scales
         LHS_FMT: tl.constexpr, RHS_FMT: tl.constexpr, VEC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, NUM_STAGES: tl.constexpr,
-        SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GLOBAL_SCALE: tl.constexpr,
-        EMULATE_MMA: tl.constexpr):
+        GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+        SWAP_AB: tl.constexpr, EMULATE_MMA: tl.constexpr,
+        EMULATED_DTYPE: tl.constexpr):  # bfloat16 on a GPU; float32 under TRITON_INTERPRET (no bf16 dot there)
     LHS_K_BYTES: tl.constexpr = BLOCK_K // 2 if LHS_FMT == "e2m1" else BLOCK_K
     RHS_K_BYTES: tl.constexpr = BLOCK_K // 2 if RHS_FMT == "e2m1" else BLOCK_K
     SCALE_COLS: tl.constexpr = BLOCK_K // VEC
-    tl.static_assert(BLOCK_M == 128, "one tcgen05 instruction covers 128 lhs rows")
+    # Two fp32 accumulators (so the epilogue of one tile overlaps the MMAs of the next) need
+    # 2 * BLOCK_N of the 512 TMEM columns, and the scale tables need some too.
+    SINGLE_ACC: tl.constexpr = 2 * BLOCK_N >= 512
+    tl.static_assert(BLOCK_M == 128, "one tcgen05 block-scaled MMA covers 128 lhs rows")
     tl.static_assert(SWAP_AB or BLOCK_N % 128 == 0, "swizzled rhs scales come in 128-row atoms")
     tl.static_assert(SCALE_COLS % 4 == 0, "swizzled scales come in 4-column atoms")
 
@@ -143,15 +147,21 @@ def block_scaled_gemm_kernel(
     num_pid_n = tl.cdiv(rows_rhs, BLOCK_N)
     k_tiles = tl.cdiv(k, BLOCK_K)
     alpha = 1.0
-    if HAS_GLOBAL_SCALE:
+    if lhs_global_ptr is not None:
         alpha = 1.0 / (tl.load(lhs_global_ptr) * tl.load(rhs_global_ptr))
 
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
+    # Persistent over output tiles, NUM_SMS apart. As in Triton's Blackwell persistent matmul, the
+    # tile loop is flattened with the K loop into one software pipeline (num_stages TMA buffers)
+    # and warp-specialized (TMA-load, MMA and epilogue warps). The epilogue recomputes its tile
+    # from its own counter: Blackwell pipelining cannot share a value between prologue and epilogue.
+    tile_id_out = tl.program_id(0) - NUM_SMS
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True,
+                            warp_specialize=not EMULATE_MMA, disallow_acc_multi_buffer=SINGLE_ACC):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         row_lhs = pid_m * BLOCK_M
         row_rhs = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in tl.range(k_tiles, num_stages=NUM_STAGES, warp_specialize=True):
+        for ki in range(k_tiles):
             lhs = lhs_desc.load([row_lhs, ki * LHS_K_BYTES])
             rhs = rhs_desc.load([row_rhs, ki * RHS_K_BYTES])
             lhs_scale = _load_swizzled_scales(lhs_scale_desc, row_lhs, ki * SCALE_COLS, BLOCK_M, SCALE_COLS)
@@ -160,19 +170,224 @@ def block_scaled_gemm_kernel(
                                                      scale_cols, BLOCK_N, SCALE_COLS)
             else:
                 rhs_scale_tile = _load_swizzled_scales(rhs_scale, row_rhs, ki * SCALE_COLS, BLOCK_N, SCALE_COLS)
-            acc = _mma(acc, lhs, lhs_scale, rhs, rhs_scale_tile, LHS_FMT, RHS_FMT, VEC, EMULATE_MMA)
+            acc = _mma(acc, lhs, lhs_scale, rhs, rhs_scale_tile, LHS_FMT, RHS_FMT, VEC, EMULATE_MMA, EMULATED_DTYPE)
 
-        # epilogue: global scales, bias, cast; TMA store (transposed when SWAP_AB) clips ragged edges
+        # epilogue: global scales, bias, cast; the TMA store clips the ragged edges
+        tile_id_out += NUM_SMS
+        pid_m, pid_n = _tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
+        row_lhs = pid_m * BLOCK_M
+        row_rhs = pid_n * BLOCK_N
         acc = acc * alpha
-        if HAS_BIAS:
-            if SWAP_AB:
+        if SWAP_AB:
+            if bias_ptr is not None:
                 offs = row_lhs + tl.arange(0, BLOCK_M)
                 acc += tl.load(bias_ptr + offs, mask=offs < rows_lhs, other=0.0).to(tl.float32)[:, None]
-            else:
+            out_desc.store([row_rhs, row_lhs], acc.to(out_desc.dtype).T)
+        else:
+            if bias_ptr is not None:
                 offs = row_rhs + tl.arange(0, BLOCK_N)
                 acc += tl.load(bias_ptr + offs, mask=offs < rows_rhs, other=0.0).to(tl.float32)[None, :]
-        tile = acc.to(out_desc.dtype)
-        if SWAP_AB:
-            out_desc.store([row_rhs, row_lhs], tile.T)
-        else:
-            out_desc.store([row_lhs, row_rhs], tile)
+            # two half-width stores: half the shared-memory staging buffer (the operand stages need it)
+            left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+            out_desc.store([row_lhs, row_rhs], left.to(out_desc.dtype))
+            out_desc.store([row_lhs, row_rhs + BLOCK_N // 2], right.to(out_desc.dtype))
+
+
+# ---- tile configurations --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileConfig:
+    """One compiled variant. block_m is the lhs (MMA M) tile, block_n the rhs tile."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int
+    swap_ab: bool
+    group_m: int = 8
+
+
+def _k_tile(act: FormatSpec, wt: FormatSpec) -> int:
+    """128-byte operand rows (the 128B TMA/MMA swizzle): 256 K for fp4 x fp4, else 128.
+
+    The tcgen05 instruction consumes K=64 (fp4 x fp4) or K=32 (fp8 operand) per issue; fp4 next to
+    fp8 (kind::mxf8f6f4) is padded to a byte per element in shared memory, so it counts as 8-bit.
+    """
+    return 256 if act.packed and wt.packed else 128
+
+
+def tile_config(act: FormatSpec, wt: FormatSpec, m: int, emulate: bool = False) -> TileConfig:
+    """The variant for an [m, K] x [N, K] problem.
+
+    m > SMALL_M: 128 x 256 output tiles, 3 stages (fits 227 KB of shared memory with the bf16
+    epilogue tile; the fp32 accumulator takes 256 of the 512 TMEM columns).
+    m <= SMALL_M: swapped operands; 128 weight rows x 32/64 activation rows, 6 stages to keep
+    enough weight bytes in flight for a memory-bound problem.
+    Emulated (Hopper, interpreter): the same tiles with BLOCK_K = 128 and 2 stages, because the
+    dequantized bf16 operands also live in shared memory there.
+    """
+    swap = m <= SMALL_M
+    block_n = (32 if m <= 32 else 64) if swap else 256
+    if emulate:
+        return TileConfig(128, block_n, 128, num_stages=2, num_warps=8, swap_ab=swap)
+    return TileConfig(128, block_n, _k_tile(act, wt), num_stages=6 if swap else 3, num_warps=4 if swap else 8,
+                      swap_ab=swap)
+
+
+def all_tile_configs(act: FormatSpec, wt: FormatSpec, emulate: bool = False) -> dict:
+    """Every variant the launcher can pick for this format pair, by a representative M."""
+    return {name: tile_config(act, wt, m, emulate) for name, m in (("large", SMALL_M + 1), ("swap64", SMALL_M),
+                                                                     ("swap32", 32))}
+
+
+# ---- host side ----------------------------------------------------------------------------------
+FORMAT_PAIRS = (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"), ("mxfp8", "mxfp4"))  # (act, weight)
+_SUPPORTED_OUT = (torch.bfloat16, torch.float16)
+
+
+def check_format_pair(act, wt) -> tuple:
+    """(activation spec, weight spec); NVFP4 pairs only with NVFP4, MX formats mix freely."""
+    act, wt = get_format(act), get_format(wt)
+    if (act.scale == "e4m3") != (wt.scale == "e4m3"):
+        raise ValueError(f"sm100 block-scaled GEMM: {act.name} activations cannot pair with {wt.name} weights "
+                         "(NVFP4 and MX scales cannot mix in one tcgen05 MMA)")
+    return act, wt
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _pad_k(data: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
+    """Zero-pad the code bytes of each row so K is a multiple of K_ALIGN (16-byte TMA rows)."""
+    k_bytes = data.shape[1]
+    want = _ceil_to(k_bytes, K_ALIGN // 2 if fmt.packed else K_ALIGN)
+    if want == k_bytes:
+        return data.contiguous()
+    return torch.nn.functional.pad(data.view(torch.uint8), (0, want - k_bytes)).view(data.dtype)
+
+
+def prepare_weight(w: QTensor) -> tuple:
+    """QTensor -> (codes [N, K bytes] with K padded to K_ALIGN, swizzled scales, global scale); once per weight."""
+    w = w.with_scale_layout("swizzled")
+    return _pad_k(w.data, w.fmt), w.scale.contiguous(), w.global_scale
+
+
+def _codes_desc(data: torch.Tensor, fmt: FormatSpec, rows: int, block_k: int) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(data, [rows, block_k // 2 if fmt.packed else block_k])
+
+
+def _swizzled_scale_desc(scale: torch.Tensor, rows: int, block_k: int, fmt: FormatSpec) -> TensorDescriptor:
+    """5-D view (1, Rp/128, Cp/4, 2, 256) of the 128x4 swizzled table: one 512-byte atom = 2 x 256."""
+    rp, cp = scale.shape
+    view = scale.view(1, rp // ROW_TILE, cp // 4, 2, 256)
+    return TensorDescriptor.from_tensor(view, [1, rows // ROW_TILE, block_k // fmt.block // 4, 2, 256])
+
+
+def constexprs(act: FormatSpec, wt: FormatSpec, cfg: TileConfig, num_sms: int, emulate: bool) -> dict:
+    """Compile-time arguments of block_scaled_gemm_kernel (shared by the launcher and AOT compiles)."""
+    lhs, rhs = (wt, act) if cfg.swap_ab else (act, wt)
+    return dict(LHS_FMT=lhs.elem, RHS_FMT=rhs.elem, VEC=act.block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=num_sms,
+                SWAP_AB=cfg.swap_ab, EMULATE_MMA=emulate,
+                EMULATED_DTYPE=tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16)
+
+
+def _out_block(cfg: TileConfig) -> tuple:
+    """Output TMA box: the transposed tile when swapped, else half a tile (two stores per tile)."""
+    return (cfg.block_n, cfg.block_m) if cfg.swap_ab else (cfg.block_m, cfg.block_n // 2)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a few programs, so the persistent loop visits several tiles each
+
+
+def block_scaled_gemm(a: QTensor, w_data: torch.Tensor, w_scale: torch.Tensor, w_global: Optional[torch.Tensor],
+                      bias: Optional[torch.Tensor], *, w_fmt, n: int, out_dtype=torch.bfloat16,
+                      emulate: bool = False, config: Optional[TileConfig] = None) -> torch.Tensor:
+    """y [M, N] = dequant(a) @ dequant(W)^T (+ bias) from quantized activations and a prepared weight.
+
+    a: activations [M, K] as a QTensor, in either scale layout (converted to the one the tile needs).
+    w_data, w_scale, w_global: from prepare_weight. The output is out_dtype (bf16 or fp16).
+    """
+    act, wt = check_format_pair(a.fmt, w_fmt)
+    m, k = a.shape
+    if out_dtype not in _SUPPORTED_OUT:
+        raise ValueError(f"sm100 GEMM: out_dtype {out_dtype} not in {_SUPPORTED_OUT}")
+    k_padded = _ceil_to(k, K_ALIGN)
+    if w_data.shape != (n, k_padded // 2 if wt.packed else k_padded):
+        raise ValueError(f"sm100 GEMM: prepared weight codes of shape {tuple(w_data.shape)} do not match "
+                         f"N={n}, K={k} ({wt.name}); use prepare_weight")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"sm100 GEMM: bias of shape {tuple(bias.shape)}, expected ({n},)")
+    cfg = config or tile_config(act, wt, m, emulate)
+    a = a.with_scale_layout("linear" if cfg.swap_ab else "swizzled")
+    a_data = _pad_k(a.data, act)
+    n_out = _ceil_to(n, 16 // torch.empty((), dtype=out_dtype).element_size())  # 16-byte TMA rows
+    y = torch.empty(m, n_out, dtype=out_dtype, device=a.data.device)
+    out_desc = TensorDescriptor(y, [m, n], [n_out, 1], list(_out_block(cfg)))
+    if cfg.swap_ab:
+        lhs = (_codes_desc(w_data, wt, cfg.block_m, cfg.block_k), _swizzled_scale_desc(w_scale, cfg.block_m,
+                                                                                     cfg.block_k, wt))
+        rhs = (_codes_desc(a_data, act, cfg.block_n, cfg.block_k), a.scale)
+        rows = (n, m)
+    else:
+        lhs = (_codes_desc(a_data, act, cfg.block_m, cfg.block_k), _swizzled_scale_desc(a.scale, cfg.block_m,
+                                                                                      cfg.block_k, act))
+        rhs = (_codes_desc(w_data, wt, cfg.block_n, cfg.block_k), _swizzled_scale_desc(w_scale, cfg.block_n,
+                                                                                     cfg.block_k, wt))
+        rows = (m, n)
+    num_sms = _num_sms(a.data.device)
+    tiles = triton.cdiv(rows[0], cfg.block_m) * triton.cdiv(rows[1], cfg.block_n)
+    block_scaled_gemm_kernel[(min(tiles, num_sms),)](
+        *lhs, *rhs, out_desc, bias, a.global_scale, w_global, *rows, k_padded, a.scale_cols,
+        **constexprs(act, wt, cfg, num_sms, emulate), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y if n_out == n else y[:, :n].contiguous()
+
+
+# ---- ahead-of-time compilation (no GPU needed): CI checks and the resource table --------------------
+_TRITON_TYPE = {torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float16: "fp16",
+                torch.float32: "fp32"}
+B200_SMS = 148
+
+
+def aot_compile(act, wt, cfg: TileConfig, *, emulate: bool = False, capability: int = 100,
+                out_dtype=torch.bfloat16, num_sms: int = B200_SMS):
+    """triton.compile the variant the launcher would run, for GPUTarget("cuda", capability, 32).
+
+    The signature mirrors block_scaled_gemm's arguments (with a bias); returns the CompiledKernel
+    (asm["ptx"], asm["cubin"], metadata.shared, metadata.tmem_size).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    act, wt = check_format_pair(act, wt)
+    lhs, rhs = (wt, act) if cfg.swap_ab else (act, wt)
+    scale = _TRITON_TYPE[act.scale_dtype]
+    k_scale_atoms = cfg.block_k // act.block // 4
+
+    def codes(fmt, rows):
+        return f"tensordesc<{_TRITON_TYPE[fmt.data_dtype]}[{rows},{cfg.block_k // 2 if fmt.packed else cfg.block_k}]>"
+
+    def swizzled(rows):
+        return f"tensordesc<{scale}[1,{rows // ROW_TILE},{k_scale_atoms},2,256]>"
+
+    out_block = _out_block(cfg)
+    signature = {
+        "lhs_desc": codes(lhs, cfg.block_m), "lhs_scale_desc": swizzled(cfg.block_m),
+        "rhs_desc": codes(rhs, cfg.block_n), "rhs_scale": f"*{scale}" if cfg.swap_ab else swizzled(cfg.block_n),
+        "out_desc": f"tensordesc<{_TRITON_TYPE[out_dtype]}[{out_block[0]},{out_block[1]}]>",
+        "bias_ptr": f"*{_TRITON_TYPE[out_dtype]}",
+        "lhs_global_ptr": "*fp32" if act.global_scale else "constexpr",
+        "rhs_global_ptr": "*fp32" if act.global_scale else "constexpr",
+        "rows_lhs": "i32", "rows_rhs": "i32", "k": "i32", "scale_cols": "i32",
+    }
+    consts = constexprs(act, wt, cfg, num_sms, emulate)
+    if not act.global_scale:
+        consts.update(lhs_global_ptr=None, rhs_global_ptr=None)
+    signature.update({name: "constexpr" for name in consts})
+    return triton.compile(ASTSource(block_scaled_gemm_kernel, signature=signature, constexprs=consts),
+                          target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})

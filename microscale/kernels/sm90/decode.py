@@ -1,0 +1,238 @@
+"""Decode GEMM (small M) for Hopper: weights dequantized in registers straight into mma.sync.
+
+    y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias),  fp32 accumulation, M <= 64
+
+Written in Gluon (Triton's explicit-layout dialect) because the whole point is register layout:
+the weight tile is loaded in the pre-shuffled layout of layout.py (one 16-byte load per thread and
+K step), turned into bf16 by one inline-PTX routine per 32-bit word (masks and shifts into bf16x2,
+then one packed multiply by the block scale), and handed to the MMA as its A operand without any
+data movement: every `convert_layout(..., assert_trivial=True)` below is checked by the compiler to
+be a renaming. The MMA computes y^T = W x^T (weights on the 16-row side, the few activation rows on
+the 8/16-wide side), so M = 1 costs as little tensor-core work as M = 8.
+
+The grid is (N tiles, K splits, M tiles). With K split in SPLIT parts, each program writes its fp32
+partial tile to a workspace and takes a ticket; the last program of a tile sums the partials in
+split order (deterministic), applies the per-row factor and bias, writes y, and resets the ticket.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from . import layout as hopper_layout
+
+ROW_GROUP = gl.constexpr(hopper_layout.ROW_GROUP)
+K_STEP = gl.constexpr(hopper_layout.K_STEP)
+
+FMT_CODE = {"nvfp4": 0, "mxfp4": 1, "mxfp8": 2}
+
+# E2M1 word -> 4 bf16x2 registers (layout.FP4_BITS), each times the block scale s'.
+# s' (bf16x2) = code * MUL + ADD: NVFP4 0x00100010 / 0x75807580 (layout.NVFP4_SCALE_BASE), MX 0x00800080 / 0.
+_FP4_DECODE = """{{
+.reg .b32 s, t, u, v;
+mad.lo.u32 s, $12, {mul}, {add};
+and.b32 $0, $4, 0x81C081C0;
+shl.b32 t, $4, 3;
+and.b32 $1, t, 0x81C081C0;
+shl.b32 t, $4, 6;
+and.b32 $2, t, 0x81C081C0;
+shr.u32 u, $4, 6;
+and.b32 v, u, 0x00300030;
+mul.lo.u32 v, v, 1028;
+and.b32 v, v, 0x80408040;
+and.b32 u, u, 0x01800180;
+or.b32 $3, u, v;
+mul.rn.bf16x2 $0, $0, s;
+mul.rn.bf16x2 $1, $1, s;
+mul.rn.bf16x2 $2, $2, s;
+mul.rn.bf16x2 $3, $3, s;
+}}"""
+# E4M3 word (bytes 1, 3 | 0, 2) -> 2 bf16x2 registers holding value * 2**-120, times s' = 2**(code - 127).
+_FP8_DECODE = """{
+.reg .b32 s, t, u;
+mul.lo.u32 s, $6, 8388736;
+shr.u32 t, $2, 4;
+and.b32 t, t, 0x07F007F0;
+and.b32 u, $2, 0x80008000;
+or.b32 $0, u, t;
+shl.b32 t, $2, 4;
+and.b32 t, t, 0x07F007F0;
+shl.b32 u, $2, 8;
+and.b32 u, u, 0x80008000;
+or.b32 $1, u, t;
+mul.rn.bf16x2 $0, $0, s;
+mul.rn.bf16x2 $1, $1, s;
+}"""
+_NVFP4_ASM = gl.constexpr(_FP4_DECODE.format(mul=0x00100010, add=hopper_layout.NVFP4_SCALE_BASE * 0x00010001))
+_MXFP4_ASM = gl.constexpr(_FP4_DECODE.format(mul=0x00800080, add=0))
+_MXFP8_ASM = gl.constexpr(_FP8_DECODE)
+
+
+@gluon.constexpr_function
+def _transposed(ll):
+    """A 2-D DistributedLinearLayout with its two dimensions swapped."""
+    def swap(bases):
+        return [[b[1], b[0]] for b in bases]
+
+    return gl.DistributedLinearLayout(swap(ll.reg_bases), swap(ll.lane_bases), swap(ll.warp_bases),
+                                      swap(ll.block_bases), [ll.shape[1], ll.shape[0]])
+
+
+@gluon.jit
+def _tile_index(layout: gl.constexpr, RG: gl.constexpr, U: gl.constexpr, LAST: gl.constexpr):
+    """Index vectors over the 4 dims of a [RG, U, 32, LAST] per-lane tile in `layout`."""
+    i0 = gl.arange(0, RG, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+    i1 = gl.arange(0, U, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+    i2 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
+    i3 = gl.arange(0, LAST, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+    return i0[:, None, None, None], i1[None, :, None, None], i2[None, None, :, None], i3[None, None, None, :]
+
+
+@gluon.jit
+def _to_rows(t, RG: gl.constexpr, U: gl.constexpr, PER_LANE: gl.constexpr):
+    """[RG, U, 32 lanes, 4 (khi, rsel)] -> [RG * 16, U * 8]: row = 16 rg + 8 rsel + g, col = 8 u + 4 khi + t.
+
+    With PER_LANE = 8 (MXFP8) the last dim is (khi, rsel, k4) and the columns are 16 u + 8 khi + 2 t + k4.
+    """
+    if PER_LANE == 4:
+        t = t.reshape(RG, U, 8, 4, 2, 2).permute(0, 5, 2, 1, 4, 3)
+        return t.reshape(RG * ROW_GROUP, U * 8)
+    else:
+        t = t.reshape(RG, U, 8, 4, 2, 2, 2).permute(0, 5, 2, 1, 4, 3, 6)
+        return t.reshape(RG * ROW_GROUP, U * 16)
+
+
+@gluon.jit
+def _repeat_minor(t, TIMES: gl.constexpr):
+    """[R, C] -> [R, C * TIMES], each element repeated in TIMES adjacent registers (no data movement)."""
+    t = gl.join(t, t)
+    if TIMES >= 4:
+        t = gl.join(t, t)
+    if TIMES == 8:
+        t = gl.join(t, t)
+    return t.reshape(t.shape[0], t.shape[1] * TIMES)
+
+
+@gluon.jit
+def _dequant_tile(w, s, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
+    """Loaded word/scale tiles -> the weight tile [RG*16, U*64] in bf16 (times s' per block)."""
+    BN: gl.constexpr = RG * ROW_GROUP
+    if FMT == 2:
+        w = _to_rows(w, RG, U, 8)
+        s = _repeat_minor(_to_rows(s, RG, U, 4).to(gl.int32), 2)
+        w = _repeat_minor(w, 4)
+        s = _repeat_minor(s, 4)
+        return gl.inline_asm_elementwise(_MXFP8_ASM, "=r,=r,r,r,r,r,r,r,r,r", [w, s], dtype=gl.bfloat16,
+                                         is_pure=True, pack=4)
+    else:
+        w = _repeat_minor(_to_rows(w, RG, U, 4), 8)
+        s = _repeat_minor(_to_rows(s, RG, U, 4).to(gl.int32), 8)
+        asm: gl.constexpr = _NVFP4_ASM if FMT == 0 else _MXFP4_ASM
+        return gl.inline_asm_elementwise(asm, "=r,=r,=r,=r," + "r," * 15 + "r", [w, s], dtype=gl.bfloat16,
+                                         is_pure=True, pack=8)
+
+
+@gluon.jit
+def _load_w(W_base, w_off, S_base, s_off, kt, WORDS: gl.constexpr, SCALE_BYTES: gl.constexpr):
+    """The word and scale tiles of K steps kt .. kt+U-1."""
+    return gl.load(W_base + w_off + kt * (32 * WORDS)), gl.load(S_base + s_off + kt * SCALE_BYTES)
+
+
+@gluon.jit
+def _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt, K, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
+              a_layout: gl.constexpr, b_layout: gl.constexpr):
+    """acc += dequant(W tile) @ x tile^T for K steps kt .. kt+U-1.
+
+    x comes from L2 and is loaded here rather than prefetched: its latency hides behind the decode.
+    """
+    k0 = kt * K_STEP
+    x = gl.load(x_ptr + k0, mask=x_row_ok & (x_k[None, :] + k0 < K), other=0.0)
+    a = gl.convert_layout(_dequant_tile(w, s, FMT, RG, U), a_layout, assert_trivial=True)
+    b = gl.convert_layout(x.to(gl.bfloat16).permute(1, 0), b_layout, assert_trivial=True)
+    return gl.nvidia.ampere.mma_v2(a, b, acc)
+
+
+@gluon.jit
+def decode_gemm_kernel(
+    X, W, S, ROW_MULT, BIAS, Y, WS, TICKETS,
+    M, N, K, KT, steps_per_split, stride_xm, stride_ym,
+    FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+    NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr,
+):
+    RG: gl.constexpr = NW * R  # 16-row groups per program
+    BN: gl.constexpr = RG * ROW_GROUP
+    BK: gl.constexpr = U * K_STEP
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
+    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32  # scale bytes per row group and K step
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    x_layout: gl.constexpr = _transposed(gl.to_linear_layout(b_layout, [BK, BMX]))
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+
+    pid_n = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_begin = pid_s * steps_per_split
+    k_end = gl.minimum(k_begin + steps_per_split, KT)
+    n_iter = gl.maximum(k_end - k_begin, 0) // U
+    k_last = gl.maximum(k_end - U, 0)
+
+    # per-lane tiles: W as int32 words, S as bytes; offsets within one K step of a row group
+    w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
+    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
+    s_rg, s_u, s_lane, s_q = _tile_index(s_layout, RG, U, 4)
+    if FMT == 0:
+        s_lane = ((s_lane >> 2) * 2 + ((s_lane & 3) >> 1)) * 4  # lanes 2j, 2j+1 share a block of 16
+    else:
+        s_lane = (s_lane >> 2) * 4  # the 4 lanes of a row share a block of 32
+    s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane + s_q
+    W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * RG).to(gl.int64) * KT * (32 * WORDS)
+    S_base = S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES
+
+    x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
+    x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
+    x_ptr = X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :]
+    x_row_ok = (x_m < M)[:, None]
+
+    # K loop, two tiles per trip so the prefetched tile alternates between two register sets
+    # (a single loop-carried prefetch costs a register copy of the whole tile every trip)
+    w_a, s_a = _load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin, k_last), WORDS, SCALE_BYTES)
+    acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
+    for i in range(n_iter // 2):
+        kt = k_begin + 2 * i * U
+        w_b, s_b = _load_w(W_base, w_off, S_base, s_off, kt + U, WORDS, SCALE_BYTES)
+        acc = _mma_step(acc, w_a, s_a, x_ptr, x_row_ok, x_k, kt, K, FMT, RG, U, a_layout, b_layout)
+        w_a, s_a = _load_w(W_base, w_off, S_base, s_off, gl.minimum(kt + 2 * U, k_last), WORDS, SCALE_BYTES)
+        acc = _mma_step(acc, w_b, s_b, x_ptr, x_row_ok, x_k, kt + U, K, FMT, RG, U, a_layout, b_layout)
+    if n_iter % 2 == 1:
+        acc = _mma_step(acc, w_a, s_a, x_ptr, x_row_ok, x_k, k_last, K, FMT, RG, U, a_layout, b_layout)
+
+    n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
+    out_mask = (n_idx < N)[:, None] & (m_idx < M)[None, :]
+    if SPLIT > 1:
+        tile = pid_m * gl.num_programs(0) + pid_n
+        gl.store(WS + (pid_s * M + m_idx[None, :]).to(gl.int64) * N + n_idx[:, None], acc, mask=out_mask)
+        gl.thread_barrier()  # every thread's partial is written before the ticket (release) is taken
+        ticket = gl.atomic_add(TICKETS + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:
+            acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
+            for s in range(SPLIT):
+                acc += gl.load(WS + (s * M + m_idx[None, :]).to(gl.int64) * N + n_idx[:, None], mask=out_mask,
+                               other=0.0, cache_modifier=".cg")
+            _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, out_mask, stride_ym, N, HAS_BIAS)
+            gl.store(TICKETS + tile, 0)
+    else:
+        _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, out_mask, stride_ym, N, HAS_BIAS)
+
+
+@gluon.jit
+def _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, out_mask, stride_ym, N, HAS_BIAS: gl.constexpr):
+    acc = acc * gl.load(ROW_MULT + n_idx, mask=n_idx < N, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += gl.load(BIAS + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
+    gl.store(Y + m_idx[None, :].to(gl.int64) * stride_ym + n_idx[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)

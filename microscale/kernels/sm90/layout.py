@@ -1,0 +1,177 @@
+"""The Hopper weight layout: what `prepare` writes once so the sm90 kernels read it fast.
+
+The decode kernel (decode.py) feeds dequantized weights straight from registers into mma.sync
+(m16n8k16, bf16) as the A operand, with the Triton dot-operand layout k_width=8: a thread of a
+warp holds, for a 16-row group and a 64-wide K step, rows g and g+8 (g = lane // 4) at
+k = 8t .. 8t+7 and 32+8t .. 32+8t+7 (t = lane % 4): 32 elements. This module stores exactly
+those 32 elements of one thread next to each other, so each thread fetches a K step of a row
+group with one 16-byte load (two for MXFP8) and a warp reads 512 contiguous bytes:
+
+    data  [N/16, K/64, 32 lanes, 4 words] int32  (FP4: 8 E2M1 codes per word)
+          [N/16, K/64, 32 lanes, 8 words] int32  (MXFP8: 4 E4M3 codes per word)
+
+Word q of a lane holds the elements in register order 8q .. 8q+7 (FP4) or 4q .. 4q+3 (FP8),
+i.e. rows g + 8 * rsel, k = 32 * khi + 8t (+ 4 * k4) + i with q = (khi, rsel[, k4]).
+
+Bits inside an FP4 word are placed so that four masks and shifts turn it into four bf16x2
+registers (FP4_BITS below): E2M1 sign -> bf16 bit 15, exponent/mantissa -> bits 8..6. That gives
+value * 2**-126 with the E2M1 subnormal landing on a bf16 subnormal; the factor is folded into the
+block scale. MXFP8 bytes are placed so that (w & 0x80008000) | ((w >> 4) & 0x07F007F0) and the
+same of (w << 8) are two bf16x2 registers holding value * 2**-120.
+
+Block scales are rewritten as one byte per block whose bf16x2 multiplier the kernel makes with a
+single integer multiply-add (scale_to_bf16x2_bits), and the rest goes into a per-row float32
+factor (row_mult) applied to the fp32 accumulator:
+    NVFP4: s' = s * 2**118 (exact, e4m3 range), row_mult = 2**8 / global_scale;
+    MX:    s' = 2**(code - 127) with code = b - b_max(row) + 254, row_mult = 2**(b_max + OFF - 254),
+           OFF = 126 (E2M1) or 120 (E4M3), so the largest block of a row sits at the top of the
+           bf16 range and every product stays exact unless a row's block exponents span more than
+           126 binades (blocks that far below the row's largest lose precision toward zero).
+    scale [N/16, K/64, 64 bytes] (NVFP4: rows g, g+8 x blocks of a K step, per pair of lanes)
+          [N/16, K/64, 32 bytes] (MX: rows g, g+8 x 2 blocks, shared by the 4 lanes of a row)
+Rows are padded to ROW_ALIGN and K to K_ALIGN with zero weights. The canonical QTensor (and the
+checkpoint) keep the format's own layout; this is a cache for one kernel family.
+"""
+
+import torch
+
+from ...formats.packing import unpack_fp4
+from ...formats.spec import E8M0_BIAS, E8M0_NAN, FormatSpec
+from ...formats.tensor import QTensor
+
+ROW_GROUP = 16  # rows of one warp's mma tile
+K_STEP = 64  # K per 16-byte load step of a thread
+ROW_ALIGN = 128  # N padding: every decode tile (16 x warps x reps) divides it
+K_ALIGN = 256  # K padding: every unroll (1, 2, 4 steps) divides it
+
+# bf16x2 register j (j = 0..3) of an FP4 word takes element 2j in its low half and 2j+1 in its
+# high half. FP4_BITS[i] = word bit positions of (mantissa, exponent lsb, exponent msb, sign) of
+# element i (i = 0..7 in register order). Registers 0..2 are (w << 3j) & 0x81C081C0; register 3
+# gathers the leftover bits {10, 11, 13, 14} with a shift, a multiply and two masks (decode.py).
+FP4_BITS = (
+    (6, 7, 8, 15), (22, 23, 24, 31),
+    (3, 4, 5, 12), (19, 20, 21, 28),
+    (0, 1, 2, 9), (16, 17, 18, 25),
+    (10, 13, 14, 11), (26, 29, 30, 27),
+)
+# MXFP8: byte of the word that holds element i (elements 0, 1 -> bytes 1, 3; 2, 3 -> bytes 0, 2).
+FP8_BYTE_OF_ELEMENT = (1, 3, 0, 2)
+
+NVFP4_SCALE_SHIFT = 118  # s' = s * 2**118: e4m3 [2**-9, 448] -> bf16 exponent fields 236 .. 253
+NVFP4_SCALE_BASE = 0x7580  # bf16 bits of s' = NVFP4_SCALE_BASE + 16 * code
+ELEMENT_BIAS_SHIFT = {"e2m1": 126, "e4m3": 120}  # decoded register = value * 2**-shift
+MX_TOP_CODE = 254  # the largest block of a row gets s' = 2**127
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def padded_shape(n: int, k: int) -> tuple:
+    return _ceil_to(n, ROW_ALIGN), _ceil_to(k, K_ALIGN)
+
+
+def _codes(q: QTensor, np_: int, kp: int) -> torch.Tensor:
+    """Element codes [Np, Kp] (uint8: E2M1 nibble or E4M3 byte), zero padded."""
+    n = q.shape[0]
+    c = unpack_fp4(q.data) if q.fmt.packed else q.data.view(torch.uint8)
+    out = torch.zeros(np_, kp, dtype=torch.uint8, device=c.device)
+    out[:n, : c.shape[1]] = c
+    return out
+
+
+def _nvfp4_scale_codes(q: QTensor, codes: torch.Tensor, np_: int, kp: int):
+    """E4M3 block scales -> (codes [Np, Kp/16], row_mult [Np]); fixes codes in place.
+
+    A negative scale flips its block's element signs; a zero scale zeroes its block's elements.
+    Both keep W exact while every stored scale is a positive normal s'.
+    """
+    n, block = q.shape[0], q.fmt.block
+    raw = q.linear_scale().view(torch.uint8)
+    if bool(((raw & 0x7F) == 0x7F).any()):
+        raise ValueError(f"prepare(nvfp4 {list(q.shape)}): block scales contain NaN (E4M3 0x7F/0xFF)")
+    bits = torch.zeros(np_, kp // block, dtype=torch.uint8, device=raw.device)
+    bits[:n, : raw.shape[1]] = raw
+    blocks = codes.view(np_, kp // block, block)
+    negative = (bits & 0x80) != 0
+    blocks ^= (negative.to(torch.uint8) * 0x8)[..., None]
+    zero = (bits & 0x7F) == 0
+    blocks.mul_((~zero).to(torch.uint8)[..., None])
+    s = (bits & 0x7F).view(torch.float8_e4m3fn).float() * 2.0**NVFP4_SCALE_SHIFT
+    bf16_bits = s.view(torch.int32) >> 16
+    code = torch.where(zero, torch.full_like(bf16_bits, 8 * 16 + NVFP4_SCALE_BASE), bf16_bits)
+    code = (code - NVFP4_SCALE_BASE) >> 4
+    g = q.global_scale.to(torch.float32).reshape(())
+    rebase = 2.0 ** (ELEMENT_BIAS_SHIFT["e2m1"] - NVFP4_SCALE_SHIFT)  # 2**8: w' = value * s * 2**-8
+    row_mult = torch.full((np_,), rebase, dtype=torch.float32, device=raw.device) / g
+    return code.to(torch.uint8), row_mult
+
+
+def _mx_scale_codes(q: QTensor, codes: torch.Tensor, np_: int, kp: int):
+    """E8M0 block scales -> (codes [Np, Kp/32], row_mult [Np]) with a per-row power-of-two rebase."""
+    n, block = q.shape[0], q.fmt.block
+    raw = q.linear_scale().view(torch.uint8)
+    if bool((raw == E8M0_NAN).any()):
+        raise ValueError(f"prepare({q.fmt.name} {list(q.shape)}): block scales contain NaN (E8M0 0xFF)")
+    b = torch.zeros(np_, kp // block, dtype=torch.int32, device=raw.device)
+    b[:n, : raw.shape[1]] = raw.to(torch.int32)
+    nonzero = (codes.view(np_, kp // block, block) & (0x7F if not q.fmt.packed else 0x7)).amax(-1) != 0
+    b_max = torch.where(nonzero, b, torch.full_like(b, -1)).amax(-1)
+    b_max = torch.where(b_max < 0, torch.full_like(b_max, E8M0_BIAS), b_max)
+    code = torch.where(nonzero, b - b_max[:, None] + MX_TOP_CODE, torch.full_like(b, MX_TOP_CODE))
+    if bool((code < 1).any()):
+        raise ValueError(
+            f"prepare({q.fmt.name} {list(q.shape)}): a row's block exponents span more than 253 binades"
+        )
+    c = b_max + ELEMENT_BIAS_SHIFT[q.fmt.elem] - MX_TOP_CODE
+    row_mult = torch.pow(2.0, c.to(torch.float64)).to(torch.float32)
+    return code.to(torch.uint8), row_mult
+
+
+def _shuffle_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes [Np, Kp] -> data [Np/16, Kp/64 * 512] uint8 (see module docstring)."""
+    np_, kp = codes.shape
+    c = codes.view(np_ // 16, 2, 8, kp // 64, 2, 4, 8)  # rg, rsel, g, kt, khi, t, i
+    c = c.permute(0, 3, 2, 5, 4, 1, 6).to(torch.int32)  # rg, kt, g, t, khi, rsel, i
+    word = torch.zeros(c.shape[:-1], dtype=torch.int32, device=codes.device)
+    for i, positions in enumerate(FP4_BITS):
+        for bit, pos in enumerate(positions):
+            word |= ((c[..., i] >> bit) & 1) << pos
+    return word.reshape(np_ // 16, -1).contiguous().view(torch.uint8)
+
+
+def _shuffle_fp8(codes: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes [Np, Kp] -> data [Np/16, Kp/64 * 1024] uint8 (see module docstring)."""
+    np_, kp = codes.shape
+    c = codes.view(np_ // 16, 2, 8, kp // 64, 2, 4, 2, 4)  # rg, rsel, g, kt, khi, t, k4, i
+    c = c.permute(0, 3, 2, 5, 4, 1, 6, 7)  # rg, kt, g, t, khi, rsel, k4, i
+    element_of_byte = [FP8_BYTE_OF_ELEMENT.index(byte) for byte in range(4)]
+    c = c[..., element_of_byte]
+    return c.reshape(np_ // 16, -1).contiguous()
+
+
+def _shuffle_scales(code: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
+    """Scale codes [Np, Kp/block] -> [Np/16, Kp/64 * (64 | 32)] uint8 (see module docstring)."""
+    np_, cols = code.shape
+    if fmt.block == 16:
+        c = code.view(np_ // 16, 2, 8, cols // 4, 2, 2)  # rg, rsel, g, kt, khi, t//2
+        c = c.permute(0, 3, 2, 5, 4, 1)  # rg, kt, g, t//2, khi, rsel
+    else:
+        c = code.view(np_ // 16, 2, 8, cols // 2, 2)  # rg, rsel, g, kt, khi
+        c = c.permute(0, 3, 2, 4, 1)  # rg, kt, g, khi, rsel
+    return c.reshape(np_ // 16, -1).contiguous()
+
+
+def shuffle_weights(q: QTensor):
+    """Canonical QTensor -> (data, scale, row_mult) in the Hopper layout (module docstring)."""
+    n, k = q.shape
+    np_, kp = padded_shape(n, k)
+    codes = _codes(q, np_, kp)
+    if q.fmt.global_scale:
+        scale_code, row_mult = _nvfp4_scale_codes(q, codes, np_, kp)
+    else:
+        if not q.fmt.packed and bool(((codes & 0x7F) == 0x7F).any()):
+            raise ValueError(f"prepare(mxfp8 {list(q.shape)}): weights contain NaN (E4M3 0x7F/0xFF)")
+        scale_code, row_mult = _mx_scale_codes(q, codes, np_, kp)
+    data = _shuffle_fp4(codes) if q.fmt.packed else _shuffle_fp8(codes)
+    return data, _shuffle_scales(scale_code, q.fmt), row_mult

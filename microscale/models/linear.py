@@ -1,0 +1,189 @@
+"""FP4Linear and FP8Linear: drop-in nn.Linear replacements holding block-scaled weights.
+
+Buffers (all tensors are buffers, so .to(), state_dict() and meta-device loading work):
+  weight_data, weight_scale, weight_global_scale (NVFP4 only), bias (optional)
+      the canonical checkpoint layout of formats.QTensor (linear scale layout): persistent.
+  prepared_data, prepared_scale, prepared_global_scale
+      what the device's backend reads (dispatch's Backend.prepare): non-persistent, rebuilt
+      whenever the module changes device or loads a state_dict. For the reference backend they
+      are the canonical tensors themselves, so no memory is spent twice.
+
+forward() is one call of the `microscale::linear` custom op (kernels/ops.py) on plain tensors,
+so torch.compile(fullgraph=True) and CUDA graph capture see no Python objects.
+"""
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..formats.spec import FormatSpec, get_format
+from ..formats.tensor import QTensor, padded_k
+from ..kernels import ops
+from ..quant import quantize
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CANONICAL_BUFFERS = ("weight_data", "weight_scale", "weight_global_scale")
+PREPARED_BUFFERS = ("prepared_data", "prepared_scale", "prepared_global_scale")
+
+
+def _reprepare_after_load(module, incompatible_keys):
+    module.prepare()
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ dequant(W).T + bias with W [out_features, in_features] in a block-scaled format.
+
+    Subclasses fix the element width (FP4Linear: NVFP4/MXFP4, FP8Linear: MXFP8). The constructor
+    builds an all-zero layer (like nn.Linear on the meta device, for loading a quantized
+    state_dict); from_linear() and from_qtensor() build one from weights. `activations` names a
+    format the inputs are quantized to (None: float inputs); `backend` pins a dispatch backend.
+    """
+
+    elem_bits: int
+    default_format: str
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, fmt: Optional[str] = None,
+                 activations: Optional[str] = None, backend: Optional[str] = None, device=None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        spec = get_format(fmt or self.default_format)
+        if spec.elem_bits != self.elem_bits:
+            raise ValueError(f"{type(self).__name__} holds {self.elem_bits}-bit formats; {spec.name} has "
+                             f"{spec.elem_bits}-bit elements (use {quantized_linear_class(spec).__name__})")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.fmt: FormatSpec = spec
+        self.activations = ops.check_activations(activations)
+        self.backend_override = backend
+        self.backend = None  # name of the backend the prepared tensors are for; set by prepare()
+
+        kp = padded_k(self.in_features, spec.block)
+        data_cols = kp // 2 if spec.packed else kp
+        self.register_buffer("weight_data", torch.zeros(out_features, data_cols, dtype=spec.data_dtype, device=device))
+        self.register_buffer("weight_scale", torch.zeros(out_features, kp // spec.block, dtype=spec.scale_dtype,
+                                                         device=device))
+        g = torch.ones((), dtype=torch.float32, device=device) if spec.global_scale else None
+        self.register_buffer("weight_global_scale", g)
+        b = torch.zeros(out_features, dtype=dtype or torch.float32, device=device) if bias else None
+        self.register_buffer("bias", b)
+        for name in PREPARED_BUFFERS:
+            self.register_buffer(name, None, persistent=False)
+        self.register_load_state_dict_post_hook(_reprepare_after_load)
+        self.prepare()
+
+    # ---- construction from weights -----------------------------------------------------------
+    @classmethod
+    def from_qtensor(cls, weight: QTensor, bias: Optional[torch.Tensor] = None, *,
+                     activations: Optional[str] = None, backend: Optional[str] = None) -> "QuantizedLinear":
+        """A layer holding `weight` (any scale layout; stored linear) and `bias` (kept as given)."""
+        out_features, in_features = weight.shape
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"{cls.__name__}.from_qtensor: bias of shape {tuple(bias.shape)} does not match "
+                             f"out_features={out_features}")
+        layer = cls(in_features, out_features, bias is not None, fmt=weight.fmt, activations=activations,
+                    backend=backend, device="meta")
+        w = weight.with_scale_layout("linear")
+        layer.weight_data, layer.weight_scale, layer.weight_global_scale = w.data, w.scale, w.global_scale
+        if bias is not None:
+            layer.bias = bias.detach()
+        layer.prepare()
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: Optional[str] = None, *, activations: Optional[str] = None,
+                    global_scale: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> "QuantizedLinear":
+        """Quantize an nn.Linear's weight with the reference quantizer (on the weight's device).
+
+        global_scale: NVFP4 encode scale to use (e.g. one shared by fused projections); computed
+        from the weight when None. A linear on the meta device gives an all-zero layer of its shape.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear: expected an nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        if w.is_meta:
+            return cls(linear.in_features, linear.out_features, linear.bias is not None, fmt=fmt,
+                       activations=activations, backend=backend, device="meta",
+                       dtype=None if linear.bias is None else linear.bias.dtype)
+        q = quantize(w, fmt or cls.default_format, global_scale=global_scale)
+        return cls.from_qtensor(q, linear.bias, activations=activations, backend=backend)
+
+    # ---- weights and backend ---------------------------------------------------------------
+    @property
+    def qweight(self) -> QTensor:
+        """The canonical weight as a QTensor (shares storage with the buffers)."""
+        return QTensor(data=self.weight_data, scale=self.weight_scale, fmt=self.fmt,
+                       shape=(self.out_features, self.in_features), global_scale=self.weight_global_scale)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the canonical weight (elements, block scales and global scale; bias excluded)."""
+        g = self.weight_global_scale
+        return self.qweight.nbytes + (0 if g is None else g.numel() * g.element_size())
+
+    def prepare(self) -> None:
+        """Select the backend for the weights' device and (re)build its prepared tensors."""
+        b = ops.select_linear_backend(self.fmt, self.weight_data.device, self.activations, self.backend_override)
+        self.prepared_data, self.prepared_scale, self.prepared_global_scale = b.prepare(self.qweight)
+        self.backend = b.name
+
+    def _apply(self, fn, recurse=True):
+        # The format fixes the quantized buffers' dtypes, so fn (a device move, to_empty, a dtype
+        # cast from model.to(torch.bfloat16)) is applied to their bytes: it moves them but never
+        # casts them. The bias follows fn like any float buffer. Prepared tensors are rebuilt.
+        for name in PREPARED_BUFFERS:
+            self._buffers[name] = None
+        kept = {}
+        for name in CANONICAL_BUFFERS:
+            t = self._buffers[name]
+            if t is not None:
+                kept[name] = (t.dtype, t.shape)
+                self._buffers[name] = t.reshape(-1).view(torch.uint8)
+        super()._apply(fn, recurse)
+        for name, (dtype, shape) in kept.items():
+            raw = self._buffers[name]
+            if raw.dtype != torch.uint8:
+                raise TypeError(f"{type(self).__name__}.{name}: quantized buffers keep their format's dtype; "
+                                f"a conversion tried to make it {raw.dtype}")
+            self._buffers[name] = raw.view(dtype).reshape(shape)
+        self.prepare()
+        return self
+
+    # ---- compute -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: input of shape {tuple(x.shape)} does not match "
+                             f"in_features={self.in_features}")
+        if x.dtype not in INPUT_DTYPES:
+            raise TypeError(f"{type(self).__name__}: input dtype {x.dtype} not accepted; accepted: "
+                            f"{', '.join(map(str, INPUT_DTYPES))}")
+        y = torch.ops.microscale.linear(
+            x.reshape(-1, self.in_features), self.prepared_data, self.prepared_scale, self.prepared_global_scale,
+            self.bias, self.fmt.name, self.out_features, self.in_features, self.backend, self.activations)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kp = padded_k(self.in_features, self.fmt.block)
+        padded = f" (padded to {kp})" if kp != self.in_features else ""
+        return (f"in_features={self.in_features}{padded}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, fmt={self.fmt.name}, activations={self.activations}, "
+                f"backend={self.backend}")
+
+
+class FP4Linear(QuantizedLinear):
+    """NVFP4 or MXFP4 weights (E2M1 elements, two per byte)."""
+
+    elem_bits = 4
+    default_format = "nvfp4"
+
+
+class FP8Linear(QuantizedLinear):
+    """MXFP8 weights (E4M3 elements)."""
+
+    elem_bits = 8
+    default_format = "mxfp8"
+
+
+def quantized_linear_class(fmt) -> type:
+    """FP4Linear or FP8Linear, by the format's element width."""
+    spec = get_format(fmt)
+    return next(c for c in (FP4Linear, FP8Linear) if c.elem_bits == spec.elem_bits)

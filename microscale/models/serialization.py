@@ -1,0 +1,228 @@
+"""save_quantized / load_quantized: models with FP4Linear / FP8Linear layers as compressed-tensors checkpoints.
+
+save_quantized writes each quantized layer under compressed-tensors' names (formats/checkpoint.py),
+every other tensor as it is, config.json with the compressed-tensors quantization_config and, for a
+transformers model, its tokenizer and generation files; the write is atomic (CheckpointWriter).
+
+load_quantized reads compressed-tensors checkpoints (ours and llm-compressor's) and ModelOpt NVFP4
+exports. Without a model it builds one from config.json with transformers, parameters on the meta
+device (no float weights are materialized), and puts quantized layers in place of the Linear ones.
+Everything is read and checked against the model before the model is touched, so a bad checkpoint
+leaves a given model as it was.
+
+Static input scales (compressed-tensors input_global_scale, ModelOpt input_scale) are checked but not
+kept: FP4Linear quantizes activations with a per-call global scale. KV-cache scales (k_scale, v_scale)
+are not used either; they are skipped with a warning.
+"""
+
+import fnmatch
+import json
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..formats.checkpoint import (
+    DEFAULT_MAX_SHARD_SIZE,
+    CheckpointError,
+    compressed_tensors_config,
+    load_checkpoint,
+    qtensor_state,
+    write_checkpoint,
+)
+from .linear import CANONICAL_BUFFERS, QuantizedLinear, quantized_linear_class
+
+# Side files a transformers model directory carries besides weights and config.json.
+SIDE_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                      "*.model", "chat_template.*", "generation_config.json", "preprocessor_config.json",
+                      "processor_config.json")
+KV_CACHE_SCALES = ("k_scale", "v_scale")
+
+
+# ---- save -------------------------------------------------------------------------------------
+def _quantized_layers(model: nn.Module) -> dict:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def checkpoint_tensors(model: nn.Module) -> dict:
+    """Name -> tensor as written: quantized layers under compressed-tensors names, the rest as in
+    state_dict(). A tensor aliasing an earlier one (tied weights) is written once, under the first name."""
+    layers = _quantized_layers(model)
+    tensors, seen = {}, set()
+    for key, t in model.state_dict().items():
+        module, _, name = key.rpartition(".")
+        if module in layers and name in CANONICAL_BUFFERS:
+            if name == CANONICAL_BUFFERS[0]:
+                tensors.update(qtensor_state(module, layers[module].qweight))
+            continue
+        if t.is_meta:
+            raise CheckpointError(f"save_quantized: tensor {key!r} is on the meta device (never loaded)")
+        alias = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape))
+        if alias not in seen:
+            seen.add(alias)
+            tensors[key] = t
+    return tensors
+
+
+def quantization_config(model: nn.Module) -> dict:
+    layers = _quantized_layers(model)
+    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return compressed_tensors_config({n: (m.fmt, m.activations, False) for n, m in layers.items()}, ignore)
+
+
+def _config_dict(model: nn.Module) -> dict:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return {}
+    d = json.loads(config.to_json_string(use_diff=False))
+    d["architectures"] = [type(model).__name__]
+    return d
+
+
+def side_file_names(directory) -> list:
+    """Tokenizer and generation files in a model directory (SIDE_FILE_PATTERNS)."""
+    return [p.name for p in sorted(Path(directory).iterdir())
+            if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in SIDE_FILE_PATTERNS)]
+
+
+def _side_files(model: nn.Module, tokenizer) -> dict:
+    """Tokenizer and generation files: from the model's source directory, then the given tokenizer."""
+    src = str(getattr(model, "name_or_path", "") or "")
+    files = {name: Path(src) / name for name in side_file_names(src)} if src and Path(src).is_dir() else {}
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and "generation_config.json" not in files:
+        files["generation_config.json"] = generation.to_json_string()
+    if tokenizer is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
+            for p in sorted(Path(tmp).iterdir()):
+                if p.is_file():
+                    files[p.name] = p.read_bytes()
+    return files
+
+
+def save_quantized(model: nn.Module, out_dir, *, tokenizer=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Write `model` (quantized with quantize_model or built from FP4Linear/FP8Linear) to out_dir.
+
+    Sharded safetensors in the compressed-tensors layout + config.json (the model's transformers
+    config, if any, with quantization_config) + tokenizer/generation files; atomic (an earlier
+    checkpoint at out_dir survives a crash mid-save). Returns out_dir.
+    """
+    if not _quantized_layers(model):
+        raise ValueError("save_quantized: the model has no FP4Linear/FP8Linear layers (run quantize_model first)")
+    config = _config_dict(model)
+    config["quantization_config"] = quantization_config(model)
+    files = {"config.json": json.dumps(config, indent=2, sort_keys=True)}
+    files.update(_side_files(model, tokenizer))
+    return write_checkpoint(out_dir, checkpoint_tensors(model), files=files, max_shard_size=max_shard_size)
+
+
+# ---- load -------------------------------------------------------------------------------------
+def model_from_config(directory) -> nn.Module:
+    """The transformers model that config.json describes, parameters on the meta device.
+
+    Buffers are materialized (accelerate's init_empty_weights): they are small and some, like rotary
+    inv_freq, are computed at construction and never stored.
+    """
+    import transformers
+    from accelerate import init_empty_weights
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # we place the quantized layers, not transformers' quantizers
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else transformers.AutoModelForCausalLM
+    if cls is None:
+        raise CheckpointError(f"{directory}/config.json: architecture {archs[0]!r} is not in transformers "
+                              f"{transformers.__version__}")
+    with init_empty_weights():
+        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+    return model.eval()
+
+
+def _aliases(model: nn.Module) -> dict:
+    """State key -> keys of the same tensor object (tied parameters)."""
+    groups = {}
+    for key, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(
+            remove_duplicate=False)):
+        groups.setdefault(id(t), []).append(key)
+    return {k: ks for ks in groups.values() for k in ks}
+
+
+def _plan_load(model: nn.Module, ck, directory: Path):
+    """New quantized layers and the float tensors to load, all checked against the model."""
+    plain = dict(ck.tensors)
+    new_layers = {}
+    for name, q in ck.quantized.items():
+        entry = ck.plan.quantized[name]
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            old = None
+        if not isinstance(old, (nn.Linear, QuantizedLinear)):
+            raise CheckpointError(f"{entry.data.where()}: the model has no Linear layer {name!r} "
+                                  f"(found {type(old).__name__})")
+        if (old.out_features, old.in_features) != q.shape:
+            raise CheckpointError(f"{entry.data.where()}: quantized weight of shape {list(q.shape)} does not fit "
+                                  f"{name} ({old.out_features} x {old.in_features})")
+        bias = plain.pop(f"{name}.bias", None)
+        if (bias is None) != (old.bias is None):
+            what = "has no bias tensor" if bias is None else "has a bias but the model's layer has none"
+            raise CheckpointError(f"{name}.bias: the checkpoint in {directory} {what}")
+        act = entry.activations.name if entry.activations is not None else None
+        new_layers[name] = quantized_linear_class(q.fmt).from_qtensor(q, bias, activations=act)
+
+    for name in [n for n in plain if n.rpartition(".")[2] in KV_CACHE_SCALES]:
+        warnings.warn(f"load_quantized: {name} skipped (KV-cache quantization is not implemented)")
+        del plain[name]
+
+    replaced = tuple(n + "." for n in new_layers)
+    expected = {k: t for k, t in model.state_dict().items() if not k.startswith(replaced)}
+    aliases = _aliases(model)
+    for key, t in plain.items():
+        info = ck.plan.plain[key]
+        if key not in expected:
+            raise CheckpointError(f"{info.where()}: unexpected tensor, the model has no such parameter or buffer")
+        if tuple(t.shape) != tuple(expected[key].shape):
+            raise CheckpointError(f"{info.where()}: shape {list(t.shape)} does not match the model's "
+                                  f"{list(expected[key].shape)}")
+    for key in expected:
+        if key not in plain and not any(a in plain for a in aliases.get(key, ())):
+            raise CheckpointError(f"missing tensor {key!r}: the model needs it and {directory} does not have it")
+    return new_layers, plain
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def load_quantized(directory, model: Optional[nn.Module] = None, *, device=None) -> nn.Module:
+    """Load a quantized checkpoint into `model` (or into a model built from its config.json).
+
+    Linear layers that the checkpoint holds quantized become FP4Linear/FP8Linear; the other tensors
+    are loaded as they are stored. Returns the model, moved to `device` if one is given.
+    gpt-oss MXFP4 experts are not Linear layers: read them with formats.checkpoint.load_checkpoint.
+    """
+    directory = Path(directory)
+    ck = load_checkpoint(directory)
+    if ck.plan.layout == "gpt-oss-mxfp4":
+        raise CheckpointError(f"{directory}: gpt-oss MXFP4 experts are stacked MoE tensors, not Linear layers; "
+                              f"use microscale.formats.checkpoint.load_checkpoint for per-expert QTensors")
+    if model is None:
+        model = model_from_config(directory)
+    new_layers, plain = _plan_load(model, ck, directory)
+
+    assign = any(t.is_meta for t in model.state_dict().values())
+    for name, layer in new_layers.items():
+        _set_submodule(model, name, layer)
+    model.load_state_dict(plain, strict=False, assign=assign)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    still_meta = [k for k, t in model.state_dict().items() if t.is_meta]
+    if still_meta:  # guarded by _plan_load; a model that ties differently from its aliases would land here
+        raise CheckpointError(f"{directory}: tensors left unloaded after loading: {still_meta[:5]}")
+    return model if device is None else model.to(device)
