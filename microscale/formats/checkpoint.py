@@ -329,8 +329,7 @@ def _read_raw(info: TensorInfo) -> torch.Tensor:
     with open(info.file, "rb") as f:
         f.seek(info.start)
         buf = bytearray(f.read(info.nbytes))
-    return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape) if buf else torch.empty(info.shape,
-                                                                                                dtype=info.dtype)
+    return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
 
 
 def _plan_module(module, fmt, naming, tensors, *, input_scale_required=None, activations=None) -> QuantizedEntry:
@@ -585,7 +584,7 @@ def read_tensors(infos, device="cpu") -> dict:
     return out
 
 
-def check_positive_scalar(value: torch.Tensor, where: str) -> None:
+def _check_positive_scalar(value: torch.Tensor, where: str) -> None:
     v = float(value.reshape(-1)[0])
     if not (math.isfinite(v) and v > 0):
         raise CheckpointError(f"{where}: global scale is {v}; it must be finite and > 0")
@@ -615,10 +614,10 @@ def entry_to_qtensor(entry: QuantizedEntry, raw: dict, orig_dtype=torch.float32)
         if info is None:
             continue
         v = raw[info.name].float().reshape(())
-        check_positive_scalar(v, info.where())
+        _check_positive_scalar(v, info.where())
         if entry.scales_are_decode:
             v = 1.0 / v
-            check_positive_scalar(v, f"{info.where()} (reciprocal of the decode scale)")
+            _check_positive_scalar(v, f"{info.where()} (reciprocal of the decode scale)")
         if role == "g":
             g = v
         else:
@@ -627,7 +626,7 @@ def entry_to_qtensor(entry: QuantizedEntry, raw: dict, orig_dtype=torch.float32)
     return q, inp
 
 
-def config_dtype(config: dict) -> torch.dtype:
+def _config_dtype(config: dict) -> torch.dtype:
     name = config.get("torch_dtype") or config.get("dtype") or "float32"
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
@@ -638,7 +637,7 @@ def load_checkpoint(directory, device="cpu") -> LoadedCheckpoint:
     plan = plan_checkpoint(directory)
     needed = {t.name: t for q in plan.quantized.values() for t in q.tensors() if t is not q.shape_tensor}
     raw = read_tensors(list(needed.values()) + list(plan.plain.values()), device)
-    dtype = config_dtype(plan.config)
+    dtype = _config_dtype(plan.config)
     quantized, inputs = {}, {}
     for module, entry in plan.quantized.items():
         quantized[module], inp = entry_to_qtensor(entry, raw, dtype)
@@ -843,10 +842,14 @@ class CheckpointWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.commit()
-        else:
+        if exc_type is not None:
             self.abort()
+            return False
+        try:
+            self.commit()
+        except BaseException:
+            self.abort()
+            raise
         return False
 
 

@@ -72,7 +72,8 @@ def select_backend(fmt, device, *, options: Optional[dict] = None, override: Opt
         if spec.name not in b.formats or not b.available(device):
             raise ValueError(f"backend {override!r} cannot run {spec.name} on {device}")
         return b
-    for b in _BACKENDS.values():
+    # the reference runs everywhere: it is the fallback, tried after every kernel family
+    for b in sorted(_BACKENDS.values(), key=lambda b: b.name == "reference"):
         if spec.name in b.formats and wanted <= b.options and b.available(device):
             return b
     raise ValueError(f"no backend runs {spec.name} with options {sorted(wanted)} on {device}")

@@ -19,7 +19,6 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 from safetensors import safe_open
@@ -35,6 +34,7 @@ from ..formats.checkpoint import (
     plan_checkpoint,
     qtensor_state,
     read_json,
+    read_tensors,
 )
 from ..formats.codec import ScaleMode
 from ..formats.spec import FORMATS, get_format
@@ -130,6 +130,31 @@ def _quantize_streamed(info, spec, global_scale, device, scale_mode):
     return q.replace(global_scale=global_scale, orig_dtype=info.dtype)
 
 
+def _fused_global_scales(selected: dict, device, progress: bool) -> tuple:
+    """First pass: NVFP4 encode global scale of every fused projection (its group's smallest), and the groups."""
+    groups = _fused_groups(selected)
+    members = [m for g in groups for m in g]
+    scales = {m: _global_scale(selected[m], device)
+              for m in tqdm(members, desc="amax (fused projections)", disable=not progress, unit="tensor")}
+    for group in groups:
+        shared = torch.stack([scales[m] for m in group]).min()
+        scales.update({m: shared for m in group})
+    return scales, groups
+
+
+def _output_specs(ordered, quantized_by_tensor: dict, spec) -> list:
+    """Every output tensor's name, dtype and shape, from the input headers alone."""
+    specs = []
+    for info in ordered:
+        module = quantized_by_tensor.get(info.name)
+        if module is None:
+            specs.append(TensorSpec(info.name, info.dtype, info.shape))
+        else:
+            meta = qtensor_state(module, empty_qtensor(spec, info.shape))
+            specs += [TensorSpec.of(n, t) for n, t in meta.items()]
+    return specs
+
+
 def quantize_checkpoint(src, out, fmt, *, exclude=None, scale_mode=ScaleMode.RCEIL, device=None,
                         max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress=True) -> StreamReport:
     """Stream-quantize the float checkpoint in `src` into a compressed-tensors checkpoint in `out`."""
@@ -141,63 +166,42 @@ def quantize_checkpoint(src, out, fmt, *, exclude=None, scale_mode=ScaleMode.RCE
     if plan.layout != "unquantized":
         raise CheckpointError(f"{src}: already quantized ({plan.layout}); quantize needs a float checkpoint")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    exclude = DEFAULT_EXCLUDE if exclude is None else tuple(exclude)
-    selected, skipped = _select(plan, spec, exclude)
+    selected, skipped = _select(plan, spec, DEFAULT_EXCLUDE if exclude is None else tuple(exclude))
     report = StreamReport(spec.name, skipped=sorted(skipped.items()))
-
     global_scales = {}
     if spec.global_scale:
-        report.shared_global_scale = _fused_groups(selected)
-        members = [m for g in report.shared_global_scale for m in g]
-        for m in tqdm(members, desc="amax (fused projections)", disable=not progress, unit="tensor"):
-            global_scales[m] = _global_scale(selected[m], device)
-        for group in report.shared_global_scale:
-            shared = torch.stack([global_scales[m] for m in group]).min()
-            global_scales.update({m: shared for m in group})
+        global_scales, report.shared_global_scale = _fused_global_scales(selected, device, progress)
 
-    # Output layout, in file order so that each shard is read front to back.
-    ordered = sorted(plan.plain.values(), key=lambda i: (str(i.file), i.start))
+    ordered = sorted(plan.plain.values(), key=lambda i: (str(i.file), i.start))  # each shard front to back
     quantized_by_tensor = {info.name: m for m, info in selected.items()}
-    specs = []
-    for info in ordered:
-        module = quantized_by_tensor.get(info.name)
-        if module is None:
-            specs.append(TensorSpec(info.name, info.dtype, info.shape))
-        else:
-            meta = qtensor_state(module, empty_qtensor(spec, info.shape))
-            specs += [TensorSpec.of(n, t) for n, t in meta.items()]
-
+    specs = _output_specs(ordered, quantized_by_tensor, spec)
     config = read_json(src / "config.json") if (src / "config.json").exists() else {}
-    config["quantization_config"] = compressed_tensors_config(
-        {m: (spec, None, False) for m in selected}, ignore=list(skipped))
+    config["quantization_config"] = compressed_tensors_config({m: (spec, None, False) for m in selected},
+                                                              ignore=list(skipped))
 
-    total = sum(i.nbytes for i in ordered)
-    bar = tqdm(total=total, desc=f"quantize {spec.name}", disable=not progress, unit="B", unit_scale=True)
+    bar = tqdm(total=sum(i.nbytes for i in ordered), desc=f"quantize {spec.name}", disable=not progress,
+               unit="B", unit_scale=True)
     with CheckpointWriter(out, specs, max_shard_size=max_shard_size) as writer:
         for info in ordered:
             module = quantized_by_tensor.get(info.name)
             if module is None:
-                with safe_open(str(info.file), framework="pt") as f:
-                    writer.write(info.name, f.get_tensor(info.name))
+                writer.write(info.name, read_tensors([info])[info.name])
             else:
                 g = None
                 if spec.global_scale:
-                    g = global_scales.get(module)
-                    g = _global_scale(info, device) if g is None else g
-                q = _quantize_streamed(info, spec, g, device, scale_mode)
-                for name, t in qtensor_state(module, q).items():
+                    g = global_scales[module] if module in global_scales else _global_scale(info, device)
+                for name, t in qtensor_state(module, _quantize_streamed(info, spec, g, device, scale_mode)).items():
                     writer.write(name, t)
                 report.quantized.append(module)
                 kp = padded_k(info.shape[1], spec.block)
                 if kp != info.shape[1]:
                     report.padded.append((module, info.shape[1], kp))
-                del q
             bar.update(info.nbytes)
         writer.add_file("config.json", json.dumps(config, indent=2, sort_keys=True))
         for name in side_file_names(src):
             writer.add_file(name, src / name)
     bar.close()
-    report.bytes_in = total
+    report.bytes_in = sum(i.nbytes for i in ordered)
     report.bytes_out = sum(s.nbytes for s in specs)
     return report
 

@@ -22,7 +22,6 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-import torch
 from torch import nn
 
 from ..formats.checkpoint import (
@@ -140,6 +139,7 @@ def model_from_config(directory) -> nn.Module:
                               f"{transformers.__version__}")
     with init_empty_weights():
         model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+    model.tie_weights()  # init_empty_weights leaves tied parameters as separate meta tensors
     return model.eval()
 
 
@@ -175,9 +175,11 @@ def _plan_load(model: nn.Module, ck, directory: Path):
         act = entry.activations.name if entry.activations is not None else None
         new_layers[name] = quantized_linear_class(q.fmt).from_qtensor(q, bias, activations=act)
 
-    for name in [n for n in plain if n.rpartition(".")[2] in KV_CACHE_SCALES]:
-        warnings.warn(f"load_quantized: {name} skipped (KV-cache quantization is not implemented)")
-        del plain[name]
+    kv_scales = [n for n in plain if n.rpartition(".")[2] in KV_CACHE_SCALES]
+    if kv_scales:
+        warnings.warn(f"load_quantized: {', '.join(kv_scales)} skipped (KV-cache quantization is not implemented)")
+        for name in kv_scales:
+            del plain[name]
 
     replaced = tuple(n + "." for n in new_layers)
     expected = {k: t for k, t in model.state_dict().items() if not k.startswith(replaced)}

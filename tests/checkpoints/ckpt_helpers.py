@@ -74,9 +74,3 @@ def write_plain(directory: Path, tensors: dict, config: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 
-
-def status_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)

@@ -15,7 +15,7 @@ from microscale.quant import quantize
 # compute in float32, so they agree to accumulation error.
 REFERENCE_RTOL = 1e-5
 # Logits against the original float model (random Gaussian weights, 2 layers): per-format floor
-# on the SQNR, measured about 6 dB above these (NVFP4 ~19, MXFP4 ~16, MXFP8 ~31 dB).
+# on the SQNR, about 4 dB below what seeded runs gave (NVFP4 17-19, MXFP4 15-18, MXFP8 29-31 dB).
 MIN_LOGIT_SQNR_DB = {"nvfp4": 13.0, "mxfp4": 10.0, "mxfp8": 25.0}
 
 LLAMA_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -72,6 +72,11 @@ def test_tiny_bert_outputs(seed, fmt):
     assert (out - ref).abs().max() <= REFERENCE_RTOL * ref.abs().max()
 
 
+def encode_global_scale(amax):
+    """448 * 6 / amax in float32, a true division (the spec's compressed-tensors rule)."""
+    return torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32) / amax.float()
+
+
 def test_fused_projections_share_nvfp4_global_scale(seed):
     model = tiny_llama()
     with torch.no_grad():  # make the three projections' ranges differ
@@ -84,7 +89,7 @@ def test_fused_projections_share_nvfp4_global_scale(seed):
             names = [f"model.layers.{i}.{p}" for p in group]
             assert tuple(names) in report.shared_global_scale
             amax = max(original.get_submodule(n).weight.abs().max() for n in names)
-            want = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32) / amax
+            want = encode_global_scale(amax)
             for n in names:
                 layer = model.get_submodule(n)
                 assert layer.weight_global_scale.item() == want.item()
@@ -92,7 +97,7 @@ def test_fused_projections_share_nvfp4_global_scale(seed):
                 assert torch.equal(layer.weight_data, q.data)
                 assert torch.equal(layer.weight_scale.view(torch.uint8), q.scale.view(torch.uint8))
         o_proj = model.get_submodule(f"model.layers.{i}.self_attn.o_proj")
-        alone = E4M3_MAX * E2M1_MAX / original.get_submodule(f"model.layers.{i}.self_attn.o_proj").weight.abs().max()
+        alone = encode_global_scale(original.get_submodule(f"model.layers.{i}.self_attn.o_proj").weight.abs().max())
         assert o_proj.weight_global_scale.item() == alone.item()
     bert = tiny_bert()
     assert len(quantize_model(bert, "nvfp4", progress=False).shared_global_scale) == 2  # query/key/value

@@ -293,21 +293,23 @@ def _core_stream(device_index: int, handle: int):
 
 def _blocks_per_grid_unit(cluster: int) -> int:
     """CTAs that LaunchConfig(grid=1, cluster=cluster) launches: `cluster` since cuda.core fixed
-    NVIDIA/cuda-python#867 (grid counts clusters), 1 before (grid counted blocks). If the native
-    config cannot be inspected, 1: a grid counted in blocks at worst launches idle clusters."""
+    NVIDIA/cuda-python#867 (grid counts clusters), 1 before (grid counted blocks). Read off the native
+    launch config where cuda.core exposes it, else assumed from the version (the fix shipped in 0.4)."""
+    import cuda.core
     from cuda.core import LaunchConfig
 
     config = LaunchConfig(grid=1, cluster=cluster, block=32)
     try:
-        native = config._to_native_launch_config()
+        return int(config._to_native_launch_config().gridDimX)
     except AttributeError:
-        try:
-            from cuda.core._launch_config import _to_native_launch_config
+        pass
+    try:
+        from cuda.core._launch_config import _to_native_launch_config
 
-            native = _to_native_launch_config(config)
-        except ImportError:
-            return 1
-    return int(native.gridDimX)
+        return int(_to_native_launch_config(config).gridDimX)
+    except ImportError:
+        major, minor = (int(v) for v in cuda.core.__version__.split(".")[:2])
+        return cluster if (major, minor) >= (0, 4) else 1
 
 
 def launch(kernel, *, clusters: int, cluster: int, block: int, smem_bytes: int, device_index: int,

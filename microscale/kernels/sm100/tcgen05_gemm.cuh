@@ -168,17 +168,23 @@ __device__ __forceinline__ void tmem_dealloc(u32 taddr, u32 columns) {
                :: "r"(taddr), "r"(columns), "n"(CTA_GROUP) : "memory");
 }
 
-__device__ __forceinline__ void tcgen05_before_sync() { asm volatile("tcgen05.fence::before_thread_sync;" ::: "memory"); }
-__device__ __forceinline__ void tcgen05_after_sync() { asm volatile("tcgen05.fence::after_thread_sync;" ::: "memory"); }
+__device__ __forceinline__ void tcgen05_before_sync() {
+  asm volatile("tcgen05.fence::before_thread_sync;" ::: "memory");
+}
+__device__ __forceinline__ void tcgen05_after_sync() {
+  asm volatile("tcgen05.fence::after_thread_sync;" ::: "memory");
+}
 
 // One 128x4 scale atom (32 rows x 16 B in SMEM) -> 32 lanes x 4 columns, copied to all four lane quarters.
 template <int CTA_GROUP>
 __device__ __forceinline__ void tmem_copy_scale_atom(u32 taddr, u64 sdesc) {
-  asm volatile("tcgen05.cp.cta_group::%2.32x128b.warpx4 [%0], %1;" :: "r"(taddr), "l"(sdesc), "n"(CTA_GROUP) : "memory");
+  asm volatile("tcgen05.cp.cta_group::%2.32x128b.warpx4 [%0], %1;"
+               :: "r"(taddr), "l"(sdesc), "n"(CTA_GROUP) : "memory");
 }
 
 template <int FMT, int CTA_GROUP>
-__device__ __forceinline__ void mma_block_scaled(u32 d, u64 adesc, u64 bdesc, u32 idesc, u32 sfa, u32 sfb, u32 accumulate) {
+__device__ __forceinline__ void mma_block_scaled(u32 d, u64 adesc, u64 bdesc, u32 idesc, u32 sfa, u32 sfb,
+                                                 u32 accumulate) {
   if constexpr (FMT == FMT_NVFP4) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %6, 0;\n"
@@ -441,7 +447,8 @@ __global__ void __launch_bounds__(THREADS, 1) tcgen05_block_scaled_gemm(
 // Each CTA also records (gridDim.x, CTAs in its cluster) in `launch_info` to check cluster launches.
 template <int RANK>
 __global__ void __launch_bounds__(128, 1) tma_box_probe(const u64* __restrict__ tmap, unsigned char* __restrict__ dst,
-                                                       u32* __restrict__ launch_info, u32 box_bytes, int x, int y, int z) {
+                                                       u32* __restrict__ launch_info, u32 box_bytes,
+                                                       int x, int y, int z) {
   extern __shared__ unsigned char smem_raw[];
   const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;  // box at a 1024-byte boundary
   const u32 bar = smem + ((box_bytes + 15u) & ~15u);

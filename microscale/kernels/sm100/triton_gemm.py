@@ -25,6 +25,7 @@ same tiling, TMA descriptors, scale views, persistent schedule, masking and epil
 Hopper GPU or under TRITON_INTERPRET=1, where tcgen05 does not exist.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,11 +34,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...formats.scale_layout import ROW_TILE, swizzled_scale_shape
+from ...formats.scale_layout import ROW_TILE
 from ...formats.spec import FormatSpec, get_format
 from ...formats.tensor import QTensor
+from ..dispatch import Backend, compute_capability, register
+from ..selftest import backend_run_fn, selftest_passed
+from .operands import K_ALIGN, ceil_to, check_format_pair, pad_codes, padded_k_bytes, prepare_weight
 
-K_ALIGN = 32  # elements: K is zero-padded to this so every TMA row stride is a multiple of 16 bytes
 SMALL_M = 64  # M at or below this runs with swapped operands (tcgen05 needs 128 rows on the M side)
 
 
@@ -219,17 +222,18 @@ def _k_tile(act: FormatSpec, wt: FormatSpec) -> int:
 def tile_config(act: FormatSpec, wt: FormatSpec, m: int, emulate: bool = False) -> TileConfig:
     """The variant for an [m, K] x [N, K] problem.
 
-    m > SMALL_M: 128 x 256 output tiles, 3 stages (fits 227 KB of shared memory with the bf16
-    epilogue tile; the fp32 accumulator takes 256 of the 512 TMEM columns).
-    m <= SMALL_M: swapped operands; 128 weight rows x 32/64 activation rows, 6 stages to keep
-    enough weight bytes in flight for a memory-bound problem.
-    Emulated (Hopper, interpreter): the same tiles with BLOCK_K = 128 and 2 stages, because the
-    dequantized bf16 operands also live in shared memory there.
+    m > SMALL_M: 128 x 256 output tiles, 3 stages: 3 x 54 KB of operand buffers (NVFP4) plus a
+    32 KB epilogue buffer fit the 227 KB of shared memory; the single fp32 accumulator takes 256
+    of the 512 TMEM columns (two would leave none for the scales).
+    m <= SMALL_M: swapped operands; 128 weight rows x 32 or 64 activation rows, 6 stages to keep
+    weight bytes in flight (the problem is memory-bound), double-buffered accumulator.
+    Emulated (Hopper, interpreter): the same tile with 2 stages, because the dequantized operands
+    need shared memory there too.
     """
     swap = m <= SMALL_M
     block_n = (32 if m <= 32 else 64) if swap else 256
     if emulate:
-        return TileConfig(128, block_n, 128, num_stages=2, num_warps=8, swap_ab=swap)
+        return TileConfig(128, block_n, _k_tile(act, wt), num_stages=2, num_warps=8, swap_ab=swap)
     return TileConfig(128, block_n, _k_tile(act, wt), num_stages=6 if swap else 3, num_warps=4 if swap else 8,
                       swap_ab=swap)
 
@@ -243,34 +247,6 @@ def all_tile_configs(act: FormatSpec, wt: FormatSpec, emulate: bool = False) -> 
 # ---- host side ----------------------------------------------------------------------------------
 FORMAT_PAIRS = (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"), ("mxfp8", "mxfp4"))  # (act, weight)
 _SUPPORTED_OUT = (torch.bfloat16, torch.float16)
-
-
-def check_format_pair(act, wt) -> tuple:
-    """(activation spec, weight spec); NVFP4 pairs only with NVFP4, MX formats mix freely."""
-    act, wt = get_format(act), get_format(wt)
-    if (act.scale == "e4m3") != (wt.scale == "e4m3"):
-        raise ValueError(f"sm100 block-scaled GEMM: {act.name} activations cannot pair with {wt.name} weights "
-                         "(NVFP4 and MX scales cannot mix in one tcgen05 MMA)")
-    return act, wt
-
-
-def _ceil_to(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def _pad_k(data: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
-    """Zero-pad the code bytes of each row so K is a multiple of K_ALIGN (16-byte TMA rows)."""
-    k_bytes = data.shape[1]
-    want = _ceil_to(k_bytes, K_ALIGN // 2 if fmt.packed else K_ALIGN)
-    if want == k_bytes:
-        return data.contiguous()
-    return torch.nn.functional.pad(data.view(torch.uint8), (0, want - k_bytes)).view(data.dtype)
-
-
-def prepare_weight(w: QTensor) -> tuple:
-    """QTensor -> (codes [N, K bytes] with K padded to K_ALIGN, swizzled scales, global scale); once per weight."""
-    w = w.with_scale_layout("swizzled")
-    return _pad_k(w.data, w.fmt), w.scale.contiguous(), w.global_scale
 
 
 def _codes_desc(data: torch.Tensor, fmt: FormatSpec, rows: int, block_k: int) -> TensorDescriptor:
@@ -304,47 +280,112 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: a few programs, so the persistent loop visits several tiles each
 
 
+def _output(out: Optional[torch.Tensor], m: int, n: int, dtype, device) -> torch.Tensor:
+    """[M, N] output with 16-byte rows (the TMA store's rule): the caller's, or a padded buffer's view."""
+    if out is None:
+        return torch.empty(m, ceil_to(n, 16 // dtype.itemsize), dtype=dtype, device=device)[:, :n]
+    if (tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1
+            or (out.stride(0) * dtype.itemsize) % 16 or out.data_ptr() % 16):
+        raise ValueError(f"sm100 GEMM: out must be {dtype} [{m}, {n}] with unit column stride and 16-byte aligned "
+                         f"rows, got {out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+    return out
+
+
 def block_scaled_gemm(a: QTensor, w_data: torch.Tensor, w_scale: torch.Tensor, w_global: Optional[torch.Tensor],
                       bias: Optional[torch.Tensor], *, w_fmt, n: int, out_dtype=torch.bfloat16,
-                      emulate: bool = False, config: Optional[TileConfig] = None) -> torch.Tensor:
-    """y [M, N] = dequant(a) @ dequant(W)^T (+ bias) from quantized activations and a prepared weight.
+                      out: Optional[torch.Tensor] = None, emulate: bool = False,
+                      config: Optional[TileConfig] = None) -> torch.Tensor:
+    """y [M, N] = dequant(a) @ dequant(W)^T (+ bias), from quantized activations and a prepared weight.
 
-    a: activations [M, K] as a QTensor, in either scale layout (converted to the one the tile needs).
-    w_data, w_scale, w_global: from prepare_weight. The output is out_dtype (bf16 or fp16).
+    a: activations [M, K] as a QTensor in either scale layout (converted if the tile wants the other).
+    w_data, w_scale, w_global: from prepare_weight. out: optional [M, N] destination (16-byte rows;
+    it may be a view into a wider buffer). emulate: the EMULATE_MMA kernel (any sm90+ GPU, or
+    TRITON_INTERPRET=1 on CPU tensors). Returns out_dtype (bf16 or fp16) [M, N], contiguous unless
+    `out` was given.
     """
     act, wt = check_format_pair(a.fmt, w_fmt)
     m, k = a.shape
     if out_dtype not in _SUPPORTED_OUT:
         raise ValueError(f"sm100 GEMM: out_dtype {out_dtype} not in {_SUPPORTED_OUT}")
-    k_padded = _ceil_to(k, K_ALIGN)
-    if w_data.shape != (n, k_padded // 2 if wt.packed else k_padded):
+    if tuple(w_data.shape) != (n, padded_k_bytes(k, wt)):
         raise ValueError(f"sm100 GEMM: prepared weight codes of shape {tuple(w_data.shape)} do not match "
-                         f"N={n}, K={k} ({wt.name}); use prepare_weight")
-    if bias is not None and bias.shape != (n,):
+                         f"N={n}, K={k} ({wt.name}); expected {(n, padded_k_bytes(k, wt))} from prepare_weight")
+    if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"sm100 GEMM: bias of shape {tuple(bias.shape)}, expected ({n},)")
     cfg = config or tile_config(act, wt, m, emulate)
     a = a.with_scale_layout("linear" if cfg.swap_ab else "swizzled")
-    a_data = _pad_k(a.data, act)
-    n_out = _ceil_to(n, 16 // torch.empty((), dtype=out_dtype).element_size())  # 16-byte TMA rows
-    y = torch.empty(m, n_out, dtype=out_dtype, device=a.data.device)
-    out_desc = TensorDescriptor(y, [m, n], [n_out, 1], list(_out_block(cfg)))
+    y = _output(out, m, n, out_dtype, a.data.device)
+    out_desc = TensorDescriptor(y, [m, n], [y.stride(0), 1], list(_out_block(cfg)))
+    a_data = pad_codes(a.data, act)
+    weight_rows, act_rows = (cfg.block_m, cfg.block_n) if cfg.swap_ab else (cfg.block_n, cfg.block_m)
+    weight = (_codes_desc(w_data, wt, weight_rows, cfg.block_k),
+              _swizzled_scale_desc(w_scale, weight_rows, cfg.block_k, wt))
     if cfg.swap_ab:
-        lhs = (_codes_desc(w_data, wt, cfg.block_m, cfg.block_k), _swizzled_scale_desc(w_scale, cfg.block_m,
-                                                                                     cfg.block_k, wt))
-        rhs = (_codes_desc(a_data, act, cfg.block_n, cfg.block_k), a.scale)
-        rows = (n, m)
+        activation = (_codes_desc(a_data, act, act_rows, cfg.block_k), a.scale.contiguous())
+        operands, rows = (*weight, *activation), (n, m)
     else:
-        lhs = (_codes_desc(a_data, act, cfg.block_m, cfg.block_k), _swizzled_scale_desc(a.scale, cfg.block_m,
-                                                                                      cfg.block_k, act))
-        rhs = (_codes_desc(w_data, wt, cfg.block_n, cfg.block_k), _swizzled_scale_desc(w_scale, cfg.block_n,
-                                                                                     cfg.block_k, wt))
-        rows = (m, n)
+        activation = (_codes_desc(a_data, act, act_rows, cfg.block_k),
+                      _swizzled_scale_desc(a.scale, act_rows, cfg.block_k, act))
+        operands, rows = (*activation, *weight), (m, n)
     num_sms = _num_sms(a.data.device)
     tiles = triton.cdiv(rows[0], cfg.block_m) * triton.cdiv(rows[1], cfg.block_n)
     block_scaled_gemm_kernel[(min(tiles, num_sms),)](
-        *lhs, *rhs, out_desc, bias, a.global_scale, w_global, *rows, k_padded, a.scale_cols,
+        *operands, out_desc, bias, a.global_scale, w_global, *rows, ceil_to(k, K_ALIGN), a.scale_cols,
         **constexprs(act, wt, cfg, num_sms, emulate), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y if n_out == n else y[:, :n].contiguous()
+    return y if out is not None else y.contiguous()
+
+
+# ---- the sm100-triton backend ---------------------------------------------------------------------
+BACKEND_NAME = "sm100-triton"
+EMULATE_ENV = "MICROSCALE_SM100_EMULATE"  # "1": emulated MMA, and the backend is offered on any sm90+ GPU
+
+
+def _emulate_forced() -> bool:
+    return os.environ.get(EMULATE_ENV) == "1"
+
+
+def _gemm(x2d, data, scale, global_scale, bias, *, fmt, n, k, options):
+    """W4A4 / W8A8: the activations are quantized per call to options["activations"] (required)."""
+    from ..quantize import quantize_gpu  # the activation quantizer lives with the Hopper kernels
+
+    act = (options or {}).get("activations")
+    pairs = [f"{a} x {w}" for a, w in FORMAT_PAIRS]
+    if act is None or (get_format(act).name, get_format(fmt).name) not in FORMAT_PAIRS:
+        raise ValueError(f"{BACKEND_NAME} runs quantized activations only: pass options={{'activations': ...}} "
+                         f"with one of (activations x weights) {pairs}; got {act!r} x {fmt}")
+    if x2d.dim() != 2 or x2d.shape[1] != k:
+        raise ValueError(f"{BACKEND_NAME}: activations of shape {tuple(x2d.shape)} do not match K={k}")
+    act, wt = check_format_pair(act, fmt)
+    m = x2d.shape[0]
+    if m == 0:
+        return x2d.new_empty(0, n)
+    emulate = _emulate_forced()
+    cfg = tile_config(act, wt, m, emulate)
+    a = quantize_gpu(x2d, act, scale_layout="linear" if cfg.swap_ab else "swizzled")
+    out_dtype = x2d.dtype if x2d.dtype in _SUPPORTED_OUT else torch.bfloat16
+    y = block_scaled_gemm(a, data, scale, global_scale, bias, w_fmt=wt, n=n, out_dtype=out_dtype,
+                          emulate=emulate, config=cfg)
+    return y.to(x2d.dtype)
+
+
+def _available(device) -> bool:
+    """sm100 (or any sm90+ GPU with the emulated MMA forced), and the first-use self-test passed."""
+    cc = compute_capability(device)
+    emulate = _emulate_forced()
+    if cc is None or not (cc[0] == 10 or (emulate and cc[0] >= 9)):
+        return False
+    name = BACKEND_NAME + (" (emulated MMA)" if emulate else "")
+    return selftest_passed(name, backend_run_fn(BACKEND), device, FORMAT_PAIRS)
+
+
+BACKEND = register(Backend(
+    name=BACKEND_NAME,
+    formats=frozenset({"nvfp4", "mxfp4", "mxfp8"}),
+    available=_available,
+    prepare=prepare_weight,
+    gemm=_gemm,
+    options=frozenset({"activations"}),
+))
 
 
 # ---- ahead-of-time compilation (no GPU needed): CI checks and the resource table --------------------

@@ -27,10 +27,12 @@ K_STEP = gl.constexpr(hopper_layout.K_STEP)
 
 FMT_CODE = {"nvfp4": 0, "mxfp4": 1, "mxfp8": 2}
 
-# E2M1 word -> 4 bf16x2 registers (layout.FP4_BITS), each times the block scale s'.
+# E2M1 word -> 4 bf16x2 registers (layout.FP4_BITS), each times the block scale s' (exact products; an
+# fma with -0 rather than mul.bf16x2, which needs sm_90, so the kernel also runs on sm_80).
 # s' (bf16x2) = code * MUL + ADD: NVFP4 0x00100010 / 0x75807580 (layout.NVFP4_SCALE_BASE), MX 0x00800080 / 0.
 _FP4_DECODE = """{{
-.reg .b32 s, t, u, v;
+.reg .b32 s, t, u, v, z;
+mov.b32 z, 0x80008000;
 mad.lo.u32 s, $12, {mul}, {add};
 and.b32 $0, $4, 0x81C081C0;
 shl.b32 t, $4, 3;
@@ -43,14 +45,15 @@ mul.lo.u32 v, v, 1028;
 and.b32 v, v, 0x80408040;
 and.b32 u, u, 0x01800180;
 or.b32 $3, u, v;
-mul.rn.bf16x2 $0, $0, s;
-mul.rn.bf16x2 $1, $1, s;
-mul.rn.bf16x2 $2, $2, s;
-mul.rn.bf16x2 $3, $3, s;
+fma.rn.bf16x2 $0, $0, s, z;
+fma.rn.bf16x2 $1, $1, s, z;
+fma.rn.bf16x2 $2, $2, s, z;
+fma.rn.bf16x2 $3, $3, s, z;
 }}"""
 # E4M3 word (bytes 1, 3 | 0, 2) -> 2 bf16x2 registers holding value * 2**-120, times s' = 2**(code - 127).
 _FP8_DECODE = """{
-.reg .b32 s, t, u;
+.reg .b32 s, t, u, z;
+mov.b32 z, 0x80008000;
 mul.lo.u32 s, $6, 8388736;
 shr.u32 t, $2, 4;
 and.b32 t, t, 0x07F007F0;
@@ -61,8 +64,8 @@ and.b32 t, t, 0x07F007F0;
 shl.b32 u, $2, 8;
 and.b32 u, u, 0x80008000;
 or.b32 $1, u, t;
-mul.rn.bf16x2 $0, $0, s;
-mul.rn.bf16x2 $1, $1, s;
+fma.rn.bf16x2 $0, $0, s, z;
+fma.rn.bf16x2 $1, $1, s, z;
 }"""
 _NVFP4_ASM = gl.constexpr(_FP4_DECODE.format(mul=0x00100010, add=hopper_layout.NVFP4_SCALE_BASE * 0x00010001))
 _MXFP4_ASM = gl.constexpr(_FP4_DECODE.format(mul=0x00800080, add=0))
@@ -70,13 +73,23 @@ _MXFP8_ASM = gl.constexpr(_FP8_DECODE)
 
 
 @gluon.constexpr_function
-def _transposed(ll):
-    """A 2-D DistributedLinearLayout with its two dimensions swapped."""
-    def swap(bases):
-        return [[b[1], b[0]] for b in bases]
+def _x_load_layout(NW, U, BMX):
+    """Activation tile [BMX, U*64] in physical K order: 16 consecutive k per thread (two 16-byte loads),
+    lanes 4 along K and 8 along M, the same tile in every warp; the register bits are the MMA B
+    operand's (layout.py: physical k = 16t + 8 i2 + 4 i1 + 2 khi + i0), only in another order."""
+    reg = [[0, 1], [0, 2], [0, 4], [0, 8]]
+    reg += [[0, 64 << j] for j in range(U.bit_length() - 1)]
+    reg += [[8 << j, 0] for j in range((BMX // 8).bit_length() - 1)]
+    lanes = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
+    warps = [[0, 0] for _ in range(NW.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, lanes, warps, [], [BMX, U * 64])
 
-    return gl.DistributedLinearLayout(swap(ll.reg_bases), swap(ll.lane_bases), swap(ll.warp_bases),
-                                      swap(ll.block_bases), [ll.shape[1], ll.shape[0]])
+
+@gluon.jit
+def _x_to_operand(x, U: gl.constexpr, BMX: gl.constexpr, b_layout: gl.constexpr):
+    """[BMX, U*64] activations in physical K order -> the MMA B operand [U*64, BMX] in logical order."""
+    x = x.reshape(BMX, U, 4, 2, 2, 2, 2).permute(0, 1, 5, 2, 3, 4, 6).reshape(BMX, U * 64)
+    return gl.convert_layout(x.permute(1, 0), b_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -90,17 +103,25 @@ def _tile_index(layout: gl.constexpr, RG: gl.constexpr, U: gl.constexpr, LAST: g
 
 
 @gluon.jit
-def _to_rows(t, RG: gl.constexpr, U: gl.constexpr, PER_LANE: gl.constexpr):
-    """[RG, U, 32 lanes, 4 (khi, rsel)] -> [RG * 16, U * 8]: row = 16 rg + 8 rsel + g, col = 8 u + 4 khi + t.
+def _to_rows(t, RG: gl.constexpr, U: gl.constexpr, WORDS: gl.constexpr):
+    """Word tile [RG, U, 32 lanes, WORDS] -> [RG*16, U*8 (FP4) | U*16 (FP8)] in the MMA's row/k order.
 
-    With PER_LANE = 8 (MXFP8) the last dim is (khi, rsel, k4) and the columns are 16 u + 8 khi + 2 t + k4.
+    row = 16 rg + 8 rsel + g; column = 8u + 4 khi + t (FP4) or 16u + 8 khi + 2t + k4 (FP8).
     """
-    if PER_LANE == 4:
-        t = t.reshape(RG, U, 8, 4, 2, 2).permute(0, 5, 2, 1, 4, 3)
+    if WORDS == 4:
+        t = t.reshape(RG, U, 8, 4, 2, 2).permute(0, 5, 2, 1, 4, 3)  # rg, rsel, g, u, khi, t
         return t.reshape(RG * ROW_GROUP, U * 8)
     else:
-        t = t.reshape(RG, U, 8, 4, 2, 2, 2).permute(0, 5, 2, 1, 4, 3, 6)
+        t = t.reshape(RG, U, 8, 4, 2, 2, 2).permute(0, 5, 2, 1, 4, 3, 6)  # rg, rsel, g, u, khi, t, k4
         return t.reshape(RG * ROW_GROUP, U * 16)
+
+
+@gluon.jit
+def _scales_to_rows(s, RG: gl.constexpr, U: gl.constexpr):
+    """Scale tile [RG, U, 32 lanes, 2 rsel] -> int32 [RG*16, U*8], column 8u + 4 khi + t (same for both khi)."""
+    s = s.reshape(RG, U, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(RG * ROW_GROUP, U, 4).to(gl.int32)
+    s = gl.join(s, s).permute(0, 1, 3, 2)  # rows, u, khi, t
+    return s.reshape(RG * ROW_GROUP, U * 8)
 
 
 @gluon.jit
@@ -116,18 +137,16 @@ def _repeat_minor(t, TIMES: gl.constexpr):
 
 @gluon.jit
 def _dequant_tile(w, s, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
-    """Loaded word/scale tiles -> the weight tile [RG*16, U*64] in bf16 (times s' per block)."""
-    BN: gl.constexpr = RG * ROW_GROUP
+    """Loaded word and scale tiles -> the weight tile [RG*16, U*64] in bf16, times s' per block."""
+    s = _scales_to_rows(s, RG, U)
     if FMT == 2:
-        w = _to_rows(w, RG, U, 8)
-        s = _repeat_minor(_to_rows(s, RG, U, 4).to(gl.int32), 2)
-        w = _repeat_minor(w, 4)
-        s = _repeat_minor(s, 4)
+        w = _repeat_minor(_to_rows(w, RG, U, 8), 4)
+        s = gl.convert_layout(_repeat_minor(_repeat_minor(s, 2), 4), w.type.layout, assert_trivial=True)
         return gl.inline_asm_elementwise(_MXFP8_ASM, "=r,=r,r,r,r,r,r,r,r,r", [w, s], dtype=gl.bfloat16,
                                          is_pure=True, pack=4)
     else:
         w = _repeat_minor(_to_rows(w, RG, U, 4), 8)
-        s = _repeat_minor(_to_rows(s, RG, U, 4).to(gl.int32), 8)
+        s = gl.convert_layout(_repeat_minor(s, 8), w.type.layout, assert_trivial=True)
         asm: gl.constexpr = _NVFP4_ASM if FMT == 0 else _MXFP4_ASM
         return gl.inline_asm_elementwise(asm, "=r,=r,=r,=r," + "r," * 15 + "r", [w, s], dtype=gl.bfloat16,
                                          is_pure=True, pack=8)
@@ -149,8 +168,13 @@ def _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt, K, FMT: gl.constexpr, RG: gl.
     k0 = kt * K_STEP
     x = gl.load(x_ptr + k0, mask=x_row_ok & (x_k[None, :] + k0 < K), other=0.0)
     a = gl.convert_layout(_dequant_tile(w, s, FMT, RG, U), a_layout, assert_trivial=True)
-    b = gl.convert_layout(x.to(gl.bfloat16).permute(1, 0), b_layout, assert_trivial=True)
-    return gl.nvidia.ampere.mma_v2(a, b, acc)
+    x_hi = x.to(gl.bfloat16)
+    acc = gl.nvidia.ampere.mma_v2(a, _x_to_operand(x_hi, U, x.shape[0], b_layout), acc)
+    if x.dtype != gl.bfloat16:
+        # fp16 (or fp32) activations: add the bf16 rounding residual, exact for fp16
+        x_lo = (x.to(gl.float32) - x_hi.to(gl.float32)).to(gl.bfloat16)
+        acc = gl.nvidia.ampere.mma_v2(a, _x_to_operand(x_lo, U, x.shape[0], b_layout), acc)
+    return acc
 
 
 @gluon.jit
@@ -169,9 +193,9 @@ def decode_gemm_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    x_layout: gl.constexpr = _transposed(gl.to_linear_layout(b_layout, [BK, BMX]))
+    x_layout: gl.constexpr = _x_load_layout(NW, U, BMX)
     w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-    s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
 
     pid_n = gl.program_id(0)
     pid_s = gl.program_id(1)
@@ -184,12 +208,10 @@ def decode_gemm_kernel(
     # per-lane tiles: W as int32 words, S as bytes; offsets within one K step of a row group
     w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
     w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
-    s_rg, s_u, s_lane, s_q = _tile_index(s_layout, RG, U, 4)
-    if FMT == 0:
-        s_lane = ((s_lane >> 2) * 2 + ((s_lane & 3) >> 1)) * 4  # lanes 2j, 2j+1 share a block of 16
-    else:
-        s_lane = (s_lane >> 2) * 4  # the 4 lanes of a row share a block of 32
-    s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane + s_q
+    s_rg, s_u, s_lane, s_rsel = _tile_index(s_layout, RG, U, 2)
+    if FMT != 0:
+        s_lane = (s_lane >> 2) * 2 + ((s_lane & 3) >> 1)  # lanes 2j, 2j+1 share a block of 32
+    s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane * 2 + s_rsel
     W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * RG).to(gl.int64) * KT * (32 * WORDS)
     S_base = S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES
 
@@ -236,3 +258,61 @@ def _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, out_mask, stride_ym, N, HAS_
     if HAS_BIAS:
         acc += gl.load(BIAS + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
     gl.store(Y + m_idx[None, :].to(gl.int64) * stride_ym + n_idx[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
+
+
+# ---- dequantize in registers, write the full tile: bf16 weights for cuBLAS, or E4M3 for the FP8 path ----
+@gluon.constexpr_function
+def _contiguous_first(ll):
+    """The same linear layout with the register bases of the 16 contiguous K positions first
+    (a renaming of registers, so stores of a thread's K run vectorize)."""
+    first = [[0, 1], [0, 2], [0, 4], [0, 8]]
+    rest = [b for b in ll.reg_bases if b not in first]
+    return gl.DistributedLinearLayout(first + rest, ll.lane_bases, ll.warp_bases, ll.block_bases, ll.shape)
+
+
+@gluon.jit
+def dequant_kernel(
+    W, S, ROW_MULT, OUT, INEXACT, KT, ld_out, factor,
+    FMT: gl.constexpr, TO_FP8: gl.constexpr, NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr,
+):
+    """OUT[n, k] = W[n, k] for a [RG*16, U*64] tile per program: the true value (times row_mult) in
+    OUT's dtype, or with TO_FP8 the decoded value times `factor` rounded to E4M3, counting in
+    INEXACT the elements that E4M3 does not hold exactly."""
+    RG: gl.constexpr = NW * R
+    BN: gl.constexpr = RG * ROW_GROUP
+    BK: gl.constexpr = U * K_STEP
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4
+    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+
+    pid_n = gl.program_id(0)
+    kt = gl.program_id(1) * U
+    w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
+    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
+    s_rg, s_u, s_lane, s_rsel = _tile_index(s_layout, RG, U, 2)
+    if FMT != 0:
+        s_lane = (s_lane >> 2) * 2 + ((s_lane & 3) >> 1)
+    s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane * 2 + s_rsel
+    W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * RG).to(gl.int64) * KT * (32 * WORDS)
+    S_base = S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES
+    w, s = _load_w(W_base, w_off, S_base, s_off, kt, WORDS, SCALE_BYTES)
+    v = gl.convert_layout(_dequant_tile(w, s, FMT, RG, U), a_layout, assert_trivial=True).to(gl.float32)
+
+    rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, a_layout))
+    if TO_FP8:
+        v = v * factor
+        q = v.to(gl.float8e4nv)
+        inexact = gl.sum(gl.sum((q.to(gl.float32) != v).to(gl.int32), axis=1), axis=0)
+        gl.atomic_add(INEXACT, inexact)
+        v = q
+    else:
+        v = (v * gl.load(ROW_MULT + rows)[:, None]).to(OUT.dtype.element_ty)
+    # logical -> physical K order (layout.py), then a register renaming so each thread's 16 consecutive K store at once
+    v = v.reshape(BN, U, 2, 4, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(BN, BK)
+    v = gl.convert_layout(v, _contiguous_first(v.type.layout), assert_trivial=True)
+    r = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, v.type.layout))
+    c = kt * K_STEP + gl.arange(0, BK, layout=gl.SliceLayout(0, v.type.layout))
+    gl.store(OUT + r[:, None].to(gl.int64) * ld_out + c[None, :], v)

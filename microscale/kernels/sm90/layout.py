@@ -1,34 +1,42 @@
 """The Hopper weight layout: what `prepare` writes once so the sm90 kernels read it fast.
 
 The decode kernel (decode.py) feeds dequantized weights straight from registers into mma.sync
-(m16n8k16, bf16) as the A operand, with the Triton dot-operand layout k_width=8: a thread of a
-warp holds, for a 16-row group and a 64-wide K step, rows g and g+8 (g = lane // 4) at
-k = 8t .. 8t+7 and 32+8t .. 32+8t+7 (t = lane % 4): 32 elements. This module stores exactly
-those 32 elements of one thread next to each other, so each thread fetches a K step of a row
-group with one 16-byte load (two for MXFP8) and a warp reads 512 contiguous bytes:
+(m16n8k16, bf16) as the A operand, in Triton's dot-operand layout with k_width=8. In that layout a
+thread of a warp holds, for a 16-row group and a 64-wide K step, rows g and g+8 (g = lane // 4) at
+32 "logical" k positions (8t .. 8t+7 and 32+8t .. 32+8t+7, t = lane % 4). Which physical K column
+a logical position stands for is ours to choose, as long as the activations are read the same way:
+
+    physical k (within a K step of 64) = 16t + 8 i2 + 4 i1 + 2 khi + i0
+    for logical k = 32 khi + 8t + 4 i2 + 2 i1 + i0
+
+With that choice a thread's activations are 16 consecutive elements (two 16-byte loads whose
+registers pair up exactly as the MMA's B operand wants them) and its 16 weights of one row lie in
+one NVFP4 block (16t .. 16t+15). This module stores the 32 weights of a thread next to each other,
+so a thread fetches its part of a K step with one 16-byte load (two for MXFP8), a warp 512
+contiguous bytes:
 
     data  [N/16, K/64, 32 lanes, 4 words] int32  (FP4: 8 E2M1 codes per word)
           [N/16, K/64, 32 lanes, 8 words] int32  (MXFP8: 4 E4M3 codes per word)
 
-Word q of a lane holds the elements in register order 8q .. 8q+7 (FP4) or 4q .. 4q+3 (FP8),
-i.e. rows g + 8 * rsel, k = 32 * khi + 8t (+ 4 * k4) + i with q = (khi, rsel[, k4]).
+Word q of a lane holds its elements 8q .. 8q+7 (FP4) or 4q .. 4q+3 (FP8) in register order:
+rows g + 8 rsel, logical k = 32 khi + 8t + i (+ 4 k4), q = (khi, rsel[, k4]), last bit fastest.
 
-Bits inside an FP4 word are placed so that four masks and shifts turn it into four bf16x2
-registers (FP4_BITS below): E2M1 sign -> bf16 bit 15, exponent/mantissa -> bits 8..6. That gives
-value * 2**-126 with the E2M1 subnormal landing on a bf16 subnormal; the factor is folded into the
+Bits inside an FP4 word are placed so that masks and shifts turn it into four bf16x2 registers
+(FP4_BITS below): E2M1 sign -> bf16 bit 15, exponent and mantissa -> bits 8..6. That is
+value * 2**-126, the E2M1 subnormal landing on a bf16 subnormal; the factor is folded into the
 block scale. MXFP8 bytes are placed so that (w & 0x80008000) | ((w >> 4) & 0x07F007F0) and the
 same of (w << 8) are two bf16x2 registers holding value * 2**-120.
 
-Block scales are rewritten as one byte per block whose bf16x2 multiplier the kernel makes with a
-single integer multiply-add (scale_to_bf16x2_bits), and the rest goes into a per-row float32
-factor (row_mult) applied to the fp32 accumulator:
-    NVFP4: s' = s * 2**118 (exact, e4m3 range), row_mult = 2**8 / global_scale;
+Block scales are rewritten as one byte per block whose bf16x2 multiplier s' the kernel makes with
+one integer multiply-add, and the rest goes into a per-row float32 factor (row_mult) applied to
+the fp32 accumulator:
+    NVFP4: s' = s * 2**118 (exact over the E4M3 range), row_mult = 2**8 / global_scale;
     MX:    s' = 2**(code - 127) with code = b - b_max(row) + 254, row_mult = 2**(b_max + OFF - 254),
-           OFF = 126 (E2M1) or 120 (E4M3), so the largest block of a row sits at the top of the
-           bf16 range and every product stays exact unless a row's block exponents span more than
-           126 binades (blocks that far below the row's largest lose precision toward zero).
-    scale [N/16, K/64, 64 bytes] (NVFP4: rows g, g+8 x blocks of a K step, per pair of lanes)
-          [N/16, K/64, 32 bytes] (MX: rows g, g+8 x 2 blocks, shared by the 4 lanes of a row)
+           OFF = 126 (E2M1) or 120 (E4M3): a row's largest block sits at the top of the bf16 range
+           and every product is exact unless the row's block exponents span more than 126 binades
+           (blocks that far below the row's largest lose precision toward zero).
+    scale [N/16, K/64, 64 bytes]  NVFP4: per lane (rows g, g+8) of block t
+          [N/16, K/64, 32 bytes]  MX: per lane pair (rows g, g+8) of block t // 2
 Rows are padded to ROW_ALIGN and K to K_ALIGN with zero weights. The canonical QTensor (and the
 checkpoint) keep the format's own layout; this is a cache for one kernel family.
 """
@@ -128,38 +136,37 @@ def _mx_scale_codes(q: QTensor, codes: torch.Tensor, np_: int, kp: int):
     return code.to(torch.uint8), row_mult
 
 
+def _thread_order(codes: torch.Tensor) -> torch.Tensor:
+    """[Np, Kp] -> [Np/16, Kp/64, 8 g, 4 t, 2 khi, 2 rsel, 2 i2, 2 i1, 2 i0]: each thread's elements in register order."""
+    np_, kp = codes.shape
+    c = codes.view(np_ // 16, 2, 8, kp // 64, 4, 2, 2, 2, 2)  # rg, rsel, g, kt, t, i2, i1, khi, i0 (physical k order)
+    return c.permute(0, 3, 2, 4, 7, 1, 5, 6, 8)
+
+
 def _shuffle_fp4(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes [Np, Kp] -> data [Np/16, Kp/64 * 512] uint8 (see module docstring)."""
-    np_, kp = codes.shape
-    c = codes.view(np_ // 16, 2, 8, kp // 64, 2, 4, 8)  # rg, rsel, g, kt, khi, t, i
-    c = c.permute(0, 3, 2, 5, 4, 1, 6).to(torch.int32)  # rg, kt, g, t, khi, rsel, i
+    c = _thread_order(codes).reshape(codes.shape[0] // 16, codes.shape[1] // 64, 32, 4, 8)
+    c = c.to(torch.int32)
     word = torch.zeros(c.shape[:-1], dtype=torch.int32, device=codes.device)
     for i, positions in enumerate(FP4_BITS):
         for bit, pos in enumerate(positions):
             word |= ((c[..., i] >> bit) & 1) << pos
-    return word.reshape(np_ // 16, -1).contiguous().view(torch.uint8)
+    return word.reshape(codes.shape[0] // 16, -1).contiguous().view(torch.uint8)
 
 
 def _shuffle_fp8(codes: torch.Tensor) -> torch.Tensor:
     """E4M3 bytes [Np, Kp] -> data [Np/16, Kp/64 * 1024] uint8 (see module docstring)."""
-    np_, kp = codes.shape
-    c = codes.view(np_ // 16, 2, 8, kp // 64, 2, 4, 2, 4)  # rg, rsel, g, kt, khi, t, k4, i
-    c = c.permute(0, 3, 2, 5, 4, 1, 6, 7)  # rg, kt, g, t, khi, rsel, k4, i
+    c = _thread_order(codes).reshape(codes.shape[0] // 16, codes.shape[1] // 64, 32, 8, 4)
     element_of_byte = [FP8_BYTE_OF_ELEMENT.index(byte) for byte in range(4)]
-    c = c[..., element_of_byte]
-    return c.reshape(np_ // 16, -1).contiguous()
+    return c[..., element_of_byte].reshape(codes.shape[0] // 16, -1).contiguous()
 
 
 def _shuffle_scales(code: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
     """Scale codes [Np, Kp/block] -> [Np/16, Kp/64 * (64 | 32)] uint8 (see module docstring)."""
     np_, cols = code.shape
-    if fmt.block == 16:
-        c = code.view(np_ // 16, 2, 8, cols // 4, 2, 2)  # rg, rsel, g, kt, khi, t//2
-        c = c.permute(0, 3, 2, 5, 4, 1)  # rg, kt, g, t//2, khi, rsel
-    else:
-        c = code.view(np_ // 16, 2, 8, cols // 2, 2)  # rg, rsel, g, kt, khi
-        c = c.permute(0, 3, 2, 4, 1)  # rg, kt, g, khi, rsel
-    return c.reshape(np_ // 16, -1).contiguous()
+    per_step = K_STEP // fmt.block  # blocks per K step: 4 (NVFP4) or 2 (MX)
+    c = code.view(np_ // 16, 2, 8, cols // per_step, per_step)  # rg, rsel, g, kt, block
+    return c.permute(0, 3, 2, 4, 1).reshape(np_ // 16, -1).contiguous()
 
 
 def shuffle_weights(q: QTensor):

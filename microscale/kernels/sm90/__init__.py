@@ -1,0 +1,81 @@
+"""The `sm90` backend: Hopper (and Ampere) kernels for NVFP4 / MXFP4 / MXFP8 weights.
+
+prepare: one-time re-layout of a canonical QTensor (layout.shuffle_weights): pre-shuffled codes,
+    rebased block scales and a per-row float32 factor, returned as (data, scale, row_mult) in the
+    place of (data, scale, global_scale). Checkpoints keep the canonical layout.
+gemm: picks the kernel from M and the options (docs/dispatch.md):
+    "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
+    "decode"  M <= DECODE_MAX_M: dequantize in registers into mma.sync (decode.py)
+    "dequant" otherwise: dequantize into a workspace, then cuBLAS
+  options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "dequant",
+  "fp8") overrides the choice.
+"""
+
+import os
+
+import torch
+
+from ...formats.spec import get_format
+from ...formats.tensor import QTensor
+from ..dispatch import Backend, compute_capability, register
+from . import gemm as paths
+from .decode import FMT_CODE
+from .layout import shuffle_weights
+
+NAME = "sm90"
+DECODE_MAX_M = 64
+FP8_MIN_M = 1024
+KERNELS = ("decode", "dequant", "fp8")
+FP8_FORMATS = ("mxfp4", "mxfp8")
+
+
+def _available(device) -> bool:
+    cc = compute_capability(device)
+    return cc is not None and (8, 0) <= cc < (10, 0)
+
+
+def prepare(w: QTensor):
+    return shuffle_weights(w)
+
+
+def choose_kernel(fmt: str, m: int, options: dict) -> str:
+    """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins."""
+    forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
+    if forced:
+        if forced not in KERNELS:
+            raise ValueError(f"sm90: unknown kernel {forced!r}; accepted: {', '.join(KERNELS)}")
+        if forced == "fp8" and fmt not in FP8_FORMATS:
+            raise ValueError(f"sm90: the fp8 kernel takes {', '.join(FP8_FORMATS)} weights, not {fmt}")
+        return forced
+    if options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
+        return "fp8"
+    return "decode" if m <= DECODE_MAX_M else "dequant"
+
+
+def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
+    """y [M, N] = x2d [M, K] @ dequant(W).T (+ bias) in x2d's dtype."""
+    fmt = get_format(fmt).name
+    if x2d.dim() != 2 or x2d.shape[1] != k:
+        raise ValueError(f"sm90 gemm: x of shape {tuple(x2d.shape)} does not match weight [{n}, {k}]")
+    if x2d.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"sm90 gemm: x dtype {x2d.dtype} not supported (bf16, fp16, fp32)")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"sm90 gemm: bias of shape {tuple(bias.shape)} does not match N={n}")
+    m = x2d.shape[0]
+    if m == 0:
+        return x2d.new_empty(0, n)
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    kernel = choose_kernel(fmt, m, options or {})
+    run = {"decode": paths.decode_gemm, "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
+    return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
+
+
+register(Backend(
+    name=NAME,
+    formats=frozenset(FMT_CODE),
+    available=_available,
+    prepare=prepare,
+    gemm=gemm,
+    options=frozenset({"fp8_activations", "kernel"}),
+))

@@ -1,0 +1,186 @@
+"""Host side of the Hopper kernels: launch configuration and the three GEMM paths.
+
+    decode_gemm    M <= 64: weights dequantized in registers into mma.sync (decode.py)
+    dequant_gemm   large M: dequantize into a bf16 workspace tile by tile, cuBLAS on each tile
+    fp8_gemm       large M, opt-in (MX formats): weights transcoded to E4M3 with a per-row power of
+                   two, activations quantized per row to E4M3, torch._scaled_mm (cuBLAS FP8)
+
+All take the tensors `prepare` made (layout.shuffle_weights) and return y [M, N] in x's dtype.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats.spec import E4M3_MAX
+from ..quantize import _e4m3_bits
+from . import decode
+from .layout import K_STEP, ROW_GROUP, padded_shape
+
+E4M3_LIMIT = tl.constexpr(E4M3_MAX)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    num_warps: int = 4
+    reps: int = 2  # 16-row groups per warp: a program covers 16 * num_warps * reps rows
+    unroll: int = 2  # K steps of 64 per loop trip
+    block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
+    split: int = 0  # K splits; 0 = chosen from the grid size
+
+    @property
+    def block_n(self) -> int:
+        return ROW_GROUP * self.num_warps * self.reps
+
+
+def decode_config(m: int, n: int, k: int) -> DecodeConfig:
+    """Tile choice for the decode kernel (measured on the H200: BENCHMARKS.md)."""
+    block_m = 8 if m <= 8 else 16 if m <= 16 else 32
+    unroll = 1 if block_m == 32 else 2
+    return DecodeConfig(block_m=block_m, unroll=unroll)
+
+
+def _split_for(cfg: DecodeConfig, tiles: int, kt: int, sms: int) -> int:
+    """Enough K splits for about four programs per SM, each with at least four loop trips."""
+    if cfg.split:
+        return cfg.split
+    trips = kt // cfg.unroll
+    return max(1, min(trips // 4, math.ceil(4 * sms / tiles)))
+
+
+_TICKETS: dict = {}
+
+
+def _tickets(device, count: int) -> torch.Tensor:
+    """Zeroed per-tile counters for the split-K fix-up; the last program of a tile resets its own."""
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < count:
+        t = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _TICKETS[device] = t
+    return t
+
+
+def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: DecodeConfig = None):
+    m = x.shape[0]
+    np_, kp = padded_shape(n, k)
+    kt = kp // K_STEP
+    cfg = cfg or decode_config(m, n, k)
+    tiles_n = np_ // cfg.block_n
+    tiles_m = triton.cdiv(m, cfg.block_m)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    split = _split_for(cfg, tiles_n * tiles_m, kt, sms)
+    steps = triton.cdiv(triton.cdiv(kt, split), 2 * cfg.unroll) * 2 * cfg.unroll
+    split = triton.cdiv(kt, steps)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    tickets = _tickets(x.device, tiles_n * tiles_m)
+    decode.decode_gemm_kernel[(tiles_n, split, tiles_m)](
+        x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, tickets,
+        m, n, k, kt, steps, x.stride(0), y.stride(0),
+        FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split, NW=cfg.num_warps, R=cfg.reps, U=cfg.unroll,
+        BMX=cfg.block_m, num_warps=cfg.num_warps,
+    )
+    return y
+
+
+def dequantize_rows(data, scale, row_mult, fmt_code: int, n0: int, rows: int, kp: int, out: torch.Tensor):
+    """out[:rows, :kp] = W[n0 : n0+rows] in out's dtype (rows a multiple of 64)."""
+    kt = kp // K_STEP
+    rg0 = n0 // ROW_GROUP
+    decode.dequant_kernel[(rows // 64, kt // 2)](
+        data[rg0:], scale[rg0:], row_mult[n0:], out, row_mult, kt, out.stride(0), 1.0,
+        FMT=fmt_code, TO_FP8=False, NW=4, R=1, U=2, num_warps=4,
+    )
+
+
+def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, chunk_rows: int = 0):
+    """y = x @ W^T (+ bias) through cuBLAS on W dequantized to x's dtype.
+
+    chunk_rows = 0 dequantizes all of W into one workspace, then one GEMM. Otherwise W goes
+    chunk_rows rows at a time through a workspace small enough to stay in L2, each chunk giving rows
+    of y^T (contiguous), transposed once at the end.
+    """
+    m = x.shape[0]
+    np_, kp = padded_shape(n, k)
+    if not chunk_rows or chunk_rows >= np_:
+        ws = torch.empty(np_, kp, dtype=x.dtype, device=x.device)
+        dequantize_rows(data, scale, row_mult, fmt_code, 0, np_, kp, ws)
+        y = torch.mm(x, ws[:n, :k].t()) if bias is None else torch.addmm(bias.to(x.dtype), x, ws[:n, :k].t())
+        return y
+    ws = torch.empty(chunk_rows, kp, dtype=x.dtype, device=x.device)
+    yt = torch.empty(n, m, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, chunk_rows):
+        rows = min(chunk_rows, np_ - n0)
+        dequantize_rows(data, scale, row_mult, fmt_code, n0, rows, kp, ws)
+        cols = min(chunk_rows, n - n0)
+        torch.mm(ws[:cols, :k], x.t(), out=yt[n0:n0 + cols])
+    y = yt.t().contiguous()
+    if bias is not None:
+        y += bias.to(y.dtype)
+    return y
+
+
+# ---- FP8 path -------------------------------------------------------------------------------------
+# decoded register w' -> E4M3 weight: W = w' * row_mult = (w' * F) * (row_mult / F), F = 2**FP8_SHIFT,
+# chosen so a row's largest block (code MX_TOP_CODE) lands just under 448 (MXFP4: 12 * 32 = 384;
+# MXFP8: 448 * 2**7 * 2**-7); blocks of a row within 2**14 (MXFP4) or of equal exponent (MXFP8) stay exact.
+FP8_SHIFT = {1: 5, 2: -7}
+
+
+def transcode_e4m3(data, scale, row_mult, fmt_code: int, n: int, k: int, inexact: torch.Tensor):
+    """MX weights -> (E4M3 [Np, Kp], per-row float32 scale [Np]); adds the count of elements that
+    E4M3 could not hold exactly to `inexact` (int32, on the device)."""
+    np_, kp = padded_shape(n, k)
+    factor = 2.0 ** FP8_SHIFT[fmt_code]
+    w8 = torch.empty(np_, kp, dtype=torch.float8_e4m3fn, device=data.device)
+    decode.dequant_kernel[(np_ // 64, kp // K_STEP // 2)](
+        data, scale, row_mult, w8, inexact, kp // K_STEP, kp, factor,
+        FMT=fmt_code, TO_FP8=True, NW=4, R=1, U=2, num_warps=4,
+    )
+    return w8, row_mult / factor
+
+
+@triton.jit
+def _rowwise_e4m3_kernel(X, Q, S, K, Kp, stride_xm, BLOCK_K: tl.constexpr):
+    """Q[row] = e4m3(X[row] * 448 / amax(row)) (zero padded to Kp), S[row] = amax / 448 (1 for a zero row)."""
+    row = tl.program_id(0)
+    ks = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + row.to(tl.int64) * stride_xm + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    amax = tl.max(amax, axis=0)
+    scale = tl.where(amax > 0, amax / E4M3_LIMIT, 1.0)
+    inv = E4M3_LIMIT / tl.where(amax > 0, amax, E4M3_LIMIT)
+    for k0 in range(0, Kp, BLOCK_K):
+        x = tl.load(X + row.to(tl.int64) * stride_xm + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
+        q = _e4m3_bits(tl.minimum(tl.maximum(x * inv, -E4M3_LIMIT), E4M3_LIMIT)).to(tl.uint8)
+        tl.store(Q + row.to(tl.int64) * Kp + k0 + ks, q, mask=k0 + ks < Kp)
+    tl.store(S + row, scale)
+
+
+def quantize_rows_e4m3(x: torch.Tensor, kp: int):
+    """Per-row (per-token) E4M3 quantization: (q [M, kp] float8_e4m3fn, scale [M, 1] float32)."""
+    m, k = x.shape
+    q = torch.empty(m, kp, dtype=torch.uint8, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    _rowwise_e4m3_kernel[(m,)](x, q, s, k, kp, x.stride(0), BLOCK_K=1024, num_warps=4)
+    return q.view(torch.float8_e4m3fn), s
+
+
+def fp8_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, inexact: torch.Tensor = None):
+    """y ~= x @ W^T with E4M3 activations (per-row scales) and E4M3 weights (per-row powers of two)."""
+    np_, kp = padded_shape(n, k)
+    if inexact is None:
+        inexact = torch.zeros(1, dtype=torch.int32, device=x.device)
+    w8, w_scale = transcode_e4m3(data, scale, row_mult, fmt_code, n, k, inexact)
+    x8, x_scale = quantize_rows_e4m3(x, kp)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.view(1, np_), out_dtype=torch.bfloat16)
+    y = y[:, :n] if np_ != n else y
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype)
+

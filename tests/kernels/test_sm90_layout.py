@@ -1,0 +1,114 @@
+"""The Hopper weight layout (sm90/layout.py), checked on the CPU.
+
+`emulate_decode` replays what one thread of the decode kernel does with its 16-byte word group:
+the same integer ops as the kernel's inline PTX (written out here again, from decode.py's asm), the
+scale multiply in bf16, the per-row factor, and the logical -> physical K mapping of the layout.
+The result must equal the reference dequantization for every element, so the layout, the bit
+placement, the scale rebasing and the PTX decode agree with each other. The kernels themselves run
+on the GPU (test_sm90_gemm.py).
+"""
+
+import pytest
+import torch
+
+from microscale.formats import ScaleMode
+from microscale.kernels.sm90.layout import padded_shape, shuffle_weights
+from microscale.quant import quantize
+
+
+def _bf16x2(words: torch.Tensor):
+    """int32 words -> (low, high) halves as float32 bf16 values."""
+    lo = ((words & 0xFFFF) << 16).view(torch.float32)
+    hi = (words & ~0xFFFF).view(torch.float32)
+    return lo, hi
+
+
+def _fp4_registers(w: torch.Tensor):
+    """decode.py's _FP4_DECODE without the scale: 4 bf16x2 registers per word."""
+    u = (w >> 6) & 0x03FFFFFF
+    v = ((u & 0x00300030) * 1028) & 0x80408040
+    return [w & 0x81C081C0, (w << 3) & 0x81C081C0, (w << 6) & 0x81C081C0, (u & 0x01800180) | v]
+
+
+def _fp8_registers(w: torch.Tensor):
+    """decode.py's _FP8_DECODE without the scale: 2 bf16x2 registers per word."""
+    return [((w >> 4) & 0x07F007F0) | (w & 0x80008000), ((w << 4) & 0x07F007F0) | ((w << 8) & 0x80008000)]
+
+
+def _scale_bf16(code: torch.Tensor, fmt: str) -> torch.Tensor:
+    """decode.py's s' from a scale code: bf16 bits code*16 + 0x7580 (NVFP4) or code << 7 (MX)."""
+    bits = code.to(torch.int32) * 16 + 0x7580 if fmt == "nvfp4" else code.to(torch.int32) << 7
+    return (bits << 16).view(torch.float32)
+
+
+def emulate_decode(data, scale, row_mult, fmt: str, n: int, k: int) -> torch.Tensor:
+    """W [n, k] float32 as the decode kernel computes it from the prepared tensors."""
+    np_, kp = padded_shape(n, k)
+    fp8 = fmt == "mxfp8"
+    words = data.view(torch.int32).view(np_ // 16, kp // 64, 8, 4, 8 if fp8 else 4)  # rg, kt, g, t, q
+    regs = _fp8_registers(words) if fp8 else _fp4_registers(words)
+    halves = []
+    for r in regs:
+        lo, hi = _bf16x2(r)
+        halves += [lo, hi]
+    elem = torch.stack(halves, dim=-1)  # rg, kt, g, t, q, i: element 8q+i (FP4) or 4q+i (FP8)
+    elem = elem.reshape(np_ // 16, kp // 64, 8, 4, 2, 2, 8)  # rg, kt, g, t, khi, rsel, i
+    # scales: NVFP4 per (g, t, rsel), MX per (g, t // 2, rsel)
+    per_step = 4 if fmt == "nvfp4" else 2
+    sc = _scale_bf16(scale.view(np_ // 16, kp // 64, 8, per_step, 2), fmt)
+    sc = sc.repeat_interleave(4 // per_step, dim=3)  # rg, kt, g, t, rsel
+    # the kernel multiplies in bf16 (products exact unless a row spans more than 126 binades)
+    w = (elem * sc[:, :, :, :, None, :, None]).to(torch.bfloat16).float()
+    # registers -> (row, physical k): row = 16 rg + 8 rsel + g, k = 16t + 8 i2 + 4 i1 + 2 khi + i0
+    w = w.view(np_ // 16, kp // 64, 8, 4, 2, 2, 2, 2, 2)  # rg, kt, g, t, khi, rsel, i2, i1, i0
+    w = w.permute(0, 5, 2, 1, 3, 6, 7, 4, 8).reshape(np_, kp)
+    return (w * row_mult[:, None])[:n, :k]
+
+
+def _weights(n, k, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    if kind == "wide":  # block exponents spread over ~60 binades within rows
+        w = w * torch.exp2(torch.randint(-30, 30, (n, k // 32 + 1), generator=g).repeat_interleave(32, 1)[:, :k])
+    if kind == "edges":
+        w[0] = 0  # an all-zero row
+        w[1, :16] = 0  # a zero block
+        w[2, :5] = torch.tensor([1e-30, -1e-30, 3e30, -2.0, 0.5])  # tiny and huge in one row
+    return w
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("shape", [(16, 64), (50, 200), (130, 96)])
+@pytest.mark.parametrize("kind", ["normal", "wide", "edges"])
+def test_prepared_layout_decodes_to_reference(fmt, shape, kind, seed):
+    n, k = shape
+    w = _weights(n, k, kind, seed)
+    q = quantize(w, fmt, scale_mode=ScaleMode.RCEIL)
+    data, scale, row_mult = shuffle_weights(q)
+    got = emulate_decode(data, scale, row_mult, fmt, n, k)
+    want = q.dequantize()
+    assert torch.equal(got.isnan(), want.isnan())
+    # the per-row factor is one rounding of row_mult (NVFP4: 2**8 / g): relative 2**-23 at most
+    torch.testing.assert_close(got, want, rtol=2.0**-22, atol=0.0)
+
+
+def test_nvfp4_negative_and_zero_block_scales_stay_exact():
+    w = torch.randn(32, 64)
+    q = quantize(w, "nvfp4")
+    s = q.scale.view(torch.uint8).clone()
+    s[0, 0] |= 0x80  # a negative block scale
+    s[1, 1] = 0  # a zero block scale
+    q = q.replace(scale=s.view(torch.float8_e4m3fn))
+    data, scale, row_mult = shuffle_weights(q)
+    got = emulate_decode(data, scale, row_mult, "nvfp4", 32, 64)
+    want = q.dequantize()
+    assert torch.all(got[1, 16:32] == 0) and torch.all(got[0, :16] == want[0, :16])
+    torch.testing.assert_close(got, want, rtol=2.0**-22, atol=0.0)
+
+
+def test_nan_block_scale_is_rejected():
+    q = quantize(torch.randn(16, 64), "mxfp4")
+    s = q.scale.clone()
+    s[3, 1] = 0xFF
+    with pytest.raises(ValueError, match="NaN"):
+        shuffle_weights(q.replace(scale=s))
