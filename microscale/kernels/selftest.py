@@ -49,8 +49,9 @@ def lossless_activations(m: int, k: int, generator: torch.Generator) -> torch.Te
     codes = values[torch.randint(0, len(E2M1_VALUES), (m, k), generator=generator)]
     codes[:, ::16] = E2M1_MAX
     signs = torch.randint(0, 2, (m, k), generator=generator) * 2 - 1
-    exponents = torch.randint(-3, 4, (m, (k + 31) // 32), generator=generator).repeat_interleave(32, 1)[:, :k]
-    exponents[0, 0] = 3  # pin the tensor maximum, so the NVFP4 global scale is a power of two times 448
+    exponents = torch.randint(-3, 4, (m, (k + 31) // 32), generator=generator)
+    exponents[0, 0] = 3  # pin the tensor maximum (48), so the NVFP4 global scale is 2688 / 48 = 56
+    exponents = exponents.repeat_interleave(32, 1)[:, :k]
     return (codes * signs * torch.exp2(exponents.float())).to(torch.bfloat16)
 
 

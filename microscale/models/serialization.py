@@ -17,6 +17,7 @@ are not used either; they are skipped with a warning.
 
 import fnmatch
 import json
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -152,6 +153,19 @@ def _aliases(model: nn.Module) -> dict:
     return {k: ks for ks in groups.values() for k in ks}
 
 
+def _computed_by_model(model: nn.Module, key: str) -> bool:
+    """A stored tensor the model builds itself: a non-persistent buffer (e.g. BERT's position_ids in older
+    checkpoints), or a key its transformers class declares safe to ignore."""
+    module, _, name = key.rpartition(".")
+    try:
+        owner = model.get_submodule(module)
+    except AttributeError:
+        owner = None
+    if owner is not None and name in owner._non_persistent_buffers_set:
+        return True
+    return any(re.search(p, key) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+
+
 def _plan_load(model: nn.Module, ck, directory: Path):
     """New quantized layers and the float tensors to load, all checked against the model."""
     plain = dict(ck.tensors)
@@ -178,8 +192,8 @@ def _plan_load(model: nn.Module, ck, directory: Path):
     kv_scales = [n for n in plain if n.rpartition(".")[2] in KV_CACHE_SCALES]
     if kv_scales:
         warnings.warn(f"load_quantized: {', '.join(kv_scales)} skipped (KV-cache quantization is not implemented)")
-        for name in kv_scales:
-            del plain[name]
+    for name in kv_scales + [n for n in plain if _computed_by_model(model, n)]:
+        del plain[name]
 
     replaced = tuple(n + "." for n in new_layers)
     expected = {k: t for k, t in model.state_dict().items() if not k.startswith(replaced)}

@@ -58,7 +58,7 @@ def test_modelopt_model_loads_and_matches_float_reference(tmp_path, seed):
     config["architectures"] = ["LlamaForCausalLM"]
     d = write_modelopt(tmp_path / "mo", tensors, config=config)
 
-    with pytest.warns(UserWarning, match="k_proj.k_scale skipped"):
+    with pytest.warns(UserWarning, match="k_proj.k_scale, model.layers.0.self_attn.v_proj.v_scale skipped"):
         loaded = load_quantized(d)
     assert isinstance(loaded.model.layers[0].self_attn.q_proj, FP4Linear)
     assert loaded.model.layers[1].mlp.down_proj.activations is None  # no input_scale: weight-only

@@ -171,6 +171,16 @@ def _fails_untouched(directory, *fragments, model=None):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_stored_non_persistent_buffer_is_skipped(tmp_path, seed):
+    """Older checkpoints store buffers that models now compute (BERT position_ids, rotary inv_freq)."""
+    model = tiny_llama()
+    quantize_model(model, "mxfp8", progress=False)
+    inv_freq = model.model.rotary_emb.inv_freq
+    d = _saved(tmp_path, lambda t: t.__setitem__("model.rotary_emb.inv_freq", torch.full_like(inv_freq, 7.0)))
+    loaded = load_quantized(d)
+    assert torch.equal(loaded.model.rotary_emb.inv_freq, inv_freq)  # computed, not the stored 7s
+
+
 def test_unexpected_tensor_for_the_model(tmp_path, seed):
     d = _saved(tmp_path, lambda t: t.__setitem__("model.extra.weight", torch.ones(3)))
     _fails_untouched(d, "'model.extra.weight'", "model.safetensors", "unexpected")

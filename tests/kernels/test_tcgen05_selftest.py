@@ -17,6 +17,7 @@ from microscale.formats import e2m1_decode, e4m3_decode, e8m0_decode, get_format
 from microscale.kernels import selftest
 from microscale.kernels.sm100 import descriptors as D
 from microscale.kernels.sm100 import tcgen05_backend as T
+from microscale.kernels.sm100.operands import pad_codes, prepare_weight
 from microscale.quant import quantize
 
 
@@ -28,14 +29,14 @@ def emulate_kernel(variant, a_data, a_scale, b_data, b_scale, alpha, bias, m, n,
     k_stages = -(-a_data.shape[1] // D.SWIZZLE_ROW_BYTES)
 
     def values(data):
-        data = torch.nn.functional.pad(data, (0, k_stages * 128 - data.shape[1]))  # TMA zero fill along K
+        data = torch.nn.functional.pad(data.view(torch.uint8), (0, k_stages * 128 - data.shape[1]))  # TMA zero fill
         if spec.packed:
             return e2m1_decode(unpack_fp4(data)).double()
         return e4m3_decode(data.view(torch.float8_e4m3fn)).double()
 
     def scales(table, rows):
         rp, cp = table.shape
-        flat = table.reshape(-1)
+        flat = table.contiguous().view(torch.uint8).reshape(-1)
         r = torch.arange(rows)[:, None]
         cols = []
         for k in range(k_stages):
@@ -69,10 +70,9 @@ def test_kernel_addressing_reproduces_the_reference(fmt, m, n, k, seed):
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 3
     wq, xq = quantize(w, variant.fmt), quantize(x, variant.fmt, scale_layout="swizzled")
-    b_data, b_scale, gw = T._prepare(wq)
+    b_data, b_scale, gw = prepare_weight(wq)
     alpha = None if gw is None else (1 / xq.global_scale) * (1 / gw)
-    y = emulate_kernel(variant, T.pad_rows_to_16_bytes(xq.data), xq.scale.view(torch.uint8), b_data, b_scale,
-                       alpha, None, m, n)
+    y = emulate_kernel(variant, pad_codes(xq.data, xq.fmt), xq.scale, b_data, b_scale, alpha, None, m, n)
     ref = xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).T
     # bf16 output rounding; the absolute part covers NVFP4's float32 scale / global_scale in the reference
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
@@ -109,7 +109,7 @@ def test_gemm_glue_matches_reference_with_bias(emulated_launch, seed):
         x, w = torch.randn(37, 96, generator=g).to(torch.bfloat16), torch.randn(50, 96, generator=g)
         bias = torch.randn(50, generator=g).to(torch.bfloat16)
         wq = quantize(w, fmt)
-        data, scale, gs = T._prepare(wq)
+        data, scale, gs = prepare_weight(wq)
         y = T._gemm(x, data, scale, gs, bias, fmt=fmt, n=50, k=96, options={"activations": fmt})
         assert y.dtype == x.dtype and y.shape == (37, 50)
         ref = quantize(x, fmt).dequantize(torch.float64) @ wq.dequantize(torch.float64).T + bias.double()
@@ -118,7 +118,7 @@ def test_gemm_glue_matches_reference_with_bias(emulated_launch, seed):
 
 def test_gemm_refuses_weight_only_calls_and_bad_shapes():
     wq = quantize(torch.randn(16, 64), "nvfp4")
-    data, scale, gs = T._prepare(wq)
+    data, scale, gs = prepare_weight(wq)
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="activations only"):
         T._gemm(x, data, scale, gs, None, fmt="nvfp4", n=16, k=64, options={})

@@ -17,6 +17,7 @@ import torch
 from microscale.formats import get_format
 from microscale.kernels.sm100 import descriptors as D
 from microscale.kernels.sm100 import tcgen05_backend as T
+from microscale.kernels.sm100.operands import pad_codes, prepare_weight
 from microscale.quant import quantize
 
 SHAPES = {"m": 300, "n": 136, "k": 544}  # ragged in M, N and in K stages for every format
@@ -27,9 +28,8 @@ def operands(fmt, device, seed):
     x = torch.randn(SHAPES["m"], SHAPES["k"], generator=g)
     w = torch.randn(SHAPES["n"], SHAPES["k"], generator=g)
     qx = quantize(x.to(device), fmt, scale_layout="swizzled")
-    a_data, a_scale = T.pad_rows_to_16_bytes(qx.data), qx.scale.view(torch.uint8)
-    b_data, b_scale, _ = T._prepare(quantize(w.to(device), fmt))
-    return a_data, a_scale, b_data, b_scale
+    b_data, b_scale, _ = prepare_weight(quantize(w.to(device), fmt))
+    return tuple(t.view(torch.uint8) for t in (pad_codes(qx.data, qx.fmt), qx.scale, b_data, b_scale))
 
 
 @pytest.mark.parametrize("variant", list(T.VARIANTS.values()), ids=lambda v: f"{v.fmt}-cta{v.cta_group}")

@@ -22,6 +22,7 @@ import struct
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 SOURCE_PATH = Path(__file__).with_name("tcgen05_gemm.cuh")
@@ -291,6 +292,7 @@ def _core_stream(device_index: int, handle: int):
         return device.create_stream(_Property())
 
 
+@lru_cache(maxsize=None)
 def _blocks_per_grid_unit(cluster: int) -> int:
     """CTAs that LaunchConfig(grid=1, cluster=cluster) launches: `cluster` since cuda.core fixed
     NVIDIA/cuda-python#867 (grid counts clusters), 1 before (grid counted blocks). Read off the native

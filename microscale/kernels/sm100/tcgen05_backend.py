@@ -31,13 +31,13 @@ from ..dispatch import Backend, compute_capability, register
 from ..selftest import selftest_passed
 from . import descriptors as D
 from . import nvrtc
+from .operands import pad_codes, prepare_weight
 
 NAME = "sm100-nvrtc"
 FORMAT_INDEX = {"nvfp4": 0, "mxfp4": 1, "mxfp8": 2}  # the kernel's FMT template parameter
 BLOCK_M = 128
 BLOCK_N = 128
 THREADS = 192  # 4 epilogue warps, 1 TMA warp, 1 MMA warp
-ROW_ALIGN_BYTES = 16  # TMA global strides must be multiples of 16 bytes
 SMEM_LIMIT = 232448  # opt-in dynamic shared memory per block on sm_90 / sm_100 (227 KB)
 SMEM_ALIGN_SLACK = 1024  # the kernel rounds its base up to 1024 bytes for the 128B swizzle
 MAX_STAGES = 8
@@ -146,20 +146,6 @@ def tensor_map_specs(variant: Variant, a_data, a_scale, b_data, b_scale) -> tupl
 # ---- operands ---------------------------------------------------------------------------------------
 
 
-def pad_rows_to_16_bytes(data: torch.Tensor) -> torch.Tensor:
-    """[rows, K bytes] as contiguous uint8 with K bytes zero-padded to a multiple of 16 (TMA strides)."""
-    data = data.contiguous().view(torch.uint8)
-    k_bytes = data.shape[1]
-    pad = -k_bytes % ROW_ALIGN_BYTES
-    return torch.nn.functional.pad(data, (0, pad)) if pad else data
-
-
-def _prepare(w: QTensor):
-    """Weights once at load time: 16-byte rows and 128x4 swizzled scales."""
-    w = w.with_scale_layout("swizzled")
-    return pad_rows_to_16_bytes(w.data), w.scale.contiguous().view(torch.uint8), w.global_scale
-
-
 def _quantize_activations(x2d: torch.Tensor, fmt: str) -> QTensor:
     """x in `fmt` with 128x4 swizzled scales: the fused quantize kernel on a GPU, the reference elsewhere
     (the same bits)."""
@@ -207,7 +193,8 @@ def variant_args(variant: Variant) -> dict:
 
 def run_gemm(variant: Variant, a_data, a_scale, b_data, b_scale, alpha: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], m: int, n: int) -> torch.Tensor:
-    """Launch one variant on prepared operands (uint8, 16-byte rows; swizzled uint8 scales)."""
+    """Launch one variant on operands as operands.py prepares them (codes with 16-byte-multiple rows,
+    128x4 swizzled scales)."""
     device = a_data.device
     if a_data.shape[1] != b_data.shape[1]:
         raise ValueError(f"{NAME}: A has {a_data.shape[1]} K bytes per row, B has {b_data.shape[1]}")
@@ -242,8 +229,7 @@ def _gemm(x2d, data, scale, global_scale, bias, *, fmt, n, k, options):
     alpha = None
     if get_format(fmt).global_scale:
         alpha = ((1.0 / qx.global_scale.float()) * (1.0 / global_scale.float())).reshape(1)  # no overflow of gx * gw
-    a_data = pad_rows_to_16_bytes(qx.data)
-    y = run_gemm(variant_for(fmt, x2d.shape[0]), a_data, qx.scale.view(torch.uint8), data, scale, alpha, bias,
+    y = run_gemm(variant_for(fmt, x2d.shape[0]), pad_codes(qx.data, qx.fmt), qx.scale, data, scale, alpha, bias,
                  x2d.shape[0], n)
     return y.to(x2d.dtype)
 
@@ -255,7 +241,7 @@ SELFTEST_PAIRS = tuple((fmt, fmt) for fmt in FORMAT_INDEX)  # W4A4 / W8A8 in eac
 
 def selftest_run(x: torch.Tensor, w: QTensor, bias: torch.Tensor, act_fmt: str) -> torch.Tensor:
     """run_fn for microscale.kernels.selftest: prepare W, then the W4A4/W8A8 GEMM on x."""
-    data, scale, g = _prepare(w)
+    data, scale, g = prepare_weight(w)
     n, k = w.shape
     return _gemm(x, data, scale, g, bias, fmt=w.fmt.name, n=n, k=k, options={"activations": act_fmt})
 
@@ -272,7 +258,7 @@ register(Backend(
     name=NAME,
     formats=frozenset(FORMAT_INDEX),
     available=_available,
-    prepare=_prepare,
+    prepare=prepare_weight,
     gemm=_gemm,
     options=frozenset({"activations"}),
 ))

@@ -18,7 +18,7 @@ import torch
 from ...formats.spec import get_format
 from ...formats.tensor import QTensor
 from ..dispatch import Backend, compute_capability, register
-from . import gemm as paths
+from . import launch as paths
 from .decode import FMT_CODE
 from .layout import shuffle_weights
 

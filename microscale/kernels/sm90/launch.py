@@ -63,7 +63,9 @@ def _tickets(device, count: int) -> torch.Tensor:
     return t
 
 
-def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: DecodeConfig = None):
+def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: DecodeConfig = None,
+                out=None, workspace=None):
+    """out / workspace: preallocated y [M, N] and fp32 split-K buffer (tests poison them)."""
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
@@ -74,8 +76,9 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     split = _split_for(cfg, tiles_n * tiles_m, kt, sms)
     steps = triton.cdiv(triton.cdiv(kt, split), 2 * cfg.unroll) * 2 * cfg.unroll
     split = triton.cdiv(kt, steps)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    ws = workspace if workspace is not None else torch.empty(split * m * n if split > 1 else 1,
+                                                             dtype=torch.float32, device=x.device)
     tickets = _tickets(x.device, tiles_n * tiles_m)
     decode.decode_gemm_kernel[(tiles_n, split, tiles_m)](
         x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, tickets,
@@ -96,7 +99,8 @@ def dequantize_rows(data, scale, row_mult, fmt_code: int, n0: int, rows: int, kp
     )
 
 
-def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, chunk_rows: int = 0):
+def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, chunk_rows: int = 0,
+                 workspace=None):
     """y = x @ W^T (+ bias) through cuBLAS on W dequantized to x's dtype.
 
     chunk_rows = 0 dequantizes all of W into one workspace, then one GEMM. Otherwise W goes
@@ -106,7 +110,7 @@ def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, 
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
     if not chunk_rows or chunk_rows >= np_:
-        ws = torch.empty(np_, kp, dtype=x.dtype, device=x.device)
+        ws = torch.empty(np_, kp, dtype=x.dtype, device=x.device) if workspace is None else workspace
         dequantize_rows(data, scale, row_mult, fmt_code, 0, np_, kp, ws)
         y = torch.mm(x, ws[:n, :k].t()) if bias is None else torch.addmm(bias.to(x.dtype), x, ws[:n, :k].t())
         return y
