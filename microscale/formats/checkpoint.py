@@ -584,10 +584,23 @@ def read_tensors(infos, device="cpu") -> dict:
     return out
 
 
-def _check_positive_scalar(value: torch.Tensor, where: str) -> None:
-    v = float(value.reshape(-1)[0])
-    if not (math.isfinite(v) and v > 0):
-        raise CheckpointError(f"{where}: global scale is {v}; it must be finite and > 0")
+def _check_finite_positive(value: torch.Tensor, info: TensorInfo, what: str) -> None:
+    x = float(value)
+    if not (math.isfinite(x) and x > 0):
+        raise CheckpointError(f"{info.where()}: {what} scale is {x}; it must be finite and > 0")
+
+
+def _encode_scale(info: Optional[TensorInfo], raw: dict, stored_as_decode: bool) -> Optional[torch.Tensor]:
+    """A global (or input) scale as QTensor keeps it: the float32 0-d encode scale, finite and > 0."""
+    if info is None:
+        return None
+    stored = raw[info.name].float().reshape(())
+    _check_finite_positive(stored, info, "stored")
+    if not stored_as_decode:
+        return stored
+    encode = 1.0 / stored
+    _check_finite_positive(encode, info, "reciprocal of the stored decode")
+    return encode
 
 
 def _check_block_scales(scale: torch.Tensor, fmt: FormatSpec, where: str) -> None:
@@ -603,27 +616,15 @@ def _check_block_scales(scale: torch.Tensor, fmt: FormatSpec, where: str) -> Non
 
 
 def entry_to_qtensor(entry: QuantizedEntry, raw: dict, orig_dtype=torch.float32):
-    """QTensor (and input encode scale or None) from an entry's tensors, values checked."""
+    """QTensor (and its input encode scale, or None) from an entry's tensors, values checked."""
     data, scale = raw[entry.data.name], raw[entry.scale.name]
     if entry.expert is not None:
         data, scale = data[entry.expert], scale[entry.expert]
     data = data.reshape(data.shape[0], -1)
     _check_block_scales(scale, entry.fmt, entry.scale.where())
-    g = inp = None
-    for info, role in ((entry.global_scale, "g"), (entry.input_scale, "inp")):
-        if info is None:
-            continue
-        v = raw[info.name].float().reshape(())
-        _check_positive_scalar(v, info.where())
-        if entry.scales_are_decode:
-            v = 1.0 / v
-            _check_positive_scalar(v, f"{info.where()} (reciprocal of the decode scale)")
-        if role == "g":
-            g = v
-        else:
-            inp = v
+    g = _encode_scale(entry.global_scale, raw, entry.scales_are_decode)
     q = QTensor(data=data, scale=scale, fmt=entry.fmt, shape=entry.shape, global_scale=g, orig_dtype=orig_dtype)
-    return q, inp
+    return q, _encode_scale(entry.input_scale, raw, entry.scales_are_decode)
 
 
 def _config_dtype(config: dict) -> torch.dtype:
@@ -722,15 +723,16 @@ class CheckpointWriter:
         if len(set(names)) != len(names):
             raise CheckpointError(f"duplicate tensor names for {self.out_dir}: "
                                   f"{sorted({n for n in names if names.count(n) > 1})[:5]}")
-        self._shards = self._layout(cap)
+        self._shards, self._shard_of = self._layout(cap)
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
         self._next = 0
         self._file = None
         self._shard = -1
 
-    def _layout(self, cap: int) -> list:
-        """[(file name, {tensor: offset within the data section}, data bytes, header bytes)] per shard."""
+    def _layout(self, cap: int) -> tuple:
+        """Shards as [(file name, {tensor: offset in the data section}, data bytes, header bytes)], and
+        tensor name -> shard index. A new shard starts where the next tensor would pass the cap."""
         groups, size = [[]], 0
         for spec in self.specs:
             if groups[-1] and size + spec.nbytes > cap:
@@ -753,8 +755,7 @@ class CheckpointWriter:
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)
             shards.append((fname, offsets, pos, len(raw).to_bytes(8, "little") + raw))
-        self._shard_of = {s.name: i for i, g in enumerate(groups) for s in g}
-        return shards
+        return shards, {s.name: i for i, g in enumerate(groups) for s in g}
 
     def write(self, name: str, tensor: torch.Tensor):
         if self._next >= len(self.specs) or self.specs[self._next].name != name:
@@ -768,7 +769,7 @@ class CheckpointWriter:
         if shard != self._shard:
             self._close_shard()
             self._open_shard(shard)
-        fname, offsets, _, header = self._shards[shard]
+        _, offsets, _, header = self._shards[shard]
         self._file.seek(len(header) + offsets[name])
         self._file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         self._next += 1

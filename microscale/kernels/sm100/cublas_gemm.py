@@ -47,20 +47,24 @@ def _as_scale(swizzled: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
     return flat if fmt.scale == "e4m3" else flat.view(torch.float8_e8m0fnu)
 
 
-def scaled_mm(a: QTensor, w_data: torch.Tensor, w_scale: torch.Tensor, w_global: Optional[torch.Tensor],
-              bias: Optional[torch.Tensor], *, w_fmt, n: int, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """y [M, N] = dequant(a) @ dequant(W)^T (+ bias) with torch._scaled_mm, from prepare_weight's tensors."""
+def scaled_mm_operands(a: QTensor, w_data: torch.Tensor, w_scale: torch.Tensor, *, w_fmt) -> tuple:
+    """(A, B, scale_a, scale_b) for torch._scaled_mm from swizzled activations and prepare_weight's tensors."""
     act, wt = check_format_pair(a.fmt, w_fmt)
     if (act.name, wt.name) not in FORMAT_PAIRS:
         raise ValueError(f"{BACKEND_NAME}: {act.name} activations x {wt.name} weights is not a cuBLAS "
                          f"block-scaled GEMM; supported: {FORMAT_PAIRS}")
     a = a.with_scale_layout("swizzled")
-    m = a.shape[0]
-    rows = SMALL_M_ROWS if m < SMALL_M_ROWS else m
-    y = torch._scaled_mm(_as_operand(pad_codes(a.data, act, rows), act), _as_operand(w_data, wt).t(),
-                         _as_scale(a.scale, act), _as_scale(w_scale, wt), out_dtype=torch.bfloat16)
-    y = y[:m, :n].float()
-    if act.global_scale:
+    rows = max(a.shape[0], SMALL_M_ROWS)  # the swizzled table has 128 rows per block already
+    return (_as_operand(pad_codes(a.data, act, rows), act), _as_operand(w_data, wt).t(),
+            _as_scale(a.scale, act), _as_scale(w_scale, wt))
+
+
+def scaled_mm(a: QTensor, w_data: torch.Tensor, w_scale: torch.Tensor, w_global: Optional[torch.Tensor],
+              bias: Optional[torch.Tensor], *, w_fmt, n: int, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """y [M, N] = dequant(a) @ dequant(W)^T (+ bias) with torch._scaled_mm, from prepare_weight's tensors."""
+    operands = scaled_mm_operands(a, w_data, w_scale, w_fmt=w_fmt)
+    y = torch._scaled_mm(*operands, out_dtype=torch.bfloat16)[: a.shape[0], :n].float()
+    if a.global_scale is not None:
         y = y / (a.global_scale * w_global)
     if bias is not None:
         y = y + bias.float()

@@ -124,7 +124,8 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 # ---- the kernel ---------------------------------------------------------------------------------
-@triton.jit
+# Sizes are not specialized (on value 1 or divisibility by 16): one binary per variant serves every M.
+@triton.jit(do_not_specialize=["rows_lhs", "rows_rhs", "k", "scale_cols"])
 def block_scaled_gemm_kernel(
         lhs_desc, lhs_scale_desc,  # lhs codes [rows_lhs, K bytes]; its scales in the 5-D swizzled view
         rhs_desc, rhs_scale,  # rhs codes; scales: 5-D swizzled view, or (SWAP_AB) pointer to linear [rows_rhs, cols]
