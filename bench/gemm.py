@@ -5,8 +5,9 @@
 
 Per format and shape, in one process: our kernel (the one dispatch picks), cuBLAS bf16 (F.linear),
 torch._scaled_mm FP8 with row-wise scales, and for M <= 16 the eager "dequantize, then matmul".
-Times are medians of triton.testing.do_bench (which flushes L2 before every call), with the weight
-buffers of every contender rotated over copies totalling more than the L2, on fresh random data.
+Times are per call, from CUDA-graph replays of back-to-back calls (median of 10 replays), with the
+weight buffers of every contender rotated over copies totalling more than the L2, on fresh random
+data; the eager dequantize-then-matmul (not capturable) uses triton.testing.do_bench.
 Also: the quantize kernel (bytes read + written against the copy ceiling), the decode-kernel tile
 sweep (--sweep) and the large-M alternatives (dequant+cuBLAS full or chunked, FP8).
 """
@@ -32,22 +33,41 @@ ROTATE_BYTES = 256 << 20  # rotate weight copies until they exceed this (the H20
 
 
 def _bench(fn, rep=100):
+    """Median us of fn by triton.testing.do_bench (L2 flushed before every call): for calls that
+    cannot be captured in a CUDA graph and are long enough that host overhead does not show."""
     import triton
-    return triton.testing.do_bench(fn, warmup=20, rep=rep, return_mode="median") * 1e3  # us
+    return triton.testing.do_bench(fn, warmup=20, rep=rep, return_mode="median") * 1e3
 
 
-class Rotating:
-    """Call fn(copy) on copies of a weight in turn, so repeated calls do not hit in L2."""
+def _copies(make, nbytes):
+    """Copies of a weight totalling more than ROTATE_BYTES (at least two), so calls that rotate
+    over them read their weights from HBM, not from the 60 MB L2."""
+    return [make() for _ in range(min(8, max(2, -(-ROTATE_BYTES // max(nbytes, 1)))))]
 
-    def __init__(self, make, nbytes):
-        self.copies = [make() for _ in range(max(1, -(-ROTATE_BYTES // max(nbytes, 1))))][:8]
-        self.i = 0
 
-    def __call__(self, fn):
-        def run():
-            self.i = (self.i + 1) % len(self.copies)
-            return fn(self.copies[self.i])
-        return run
+def _time_graph(call, copies, replays=10, calls=8):
+    """Median us per call of call(copy), rotating over copies, timed on CUDA-graph replays: the
+    kernels run back to back with no host overhead between them (as in a captured decode step)."""
+    n = max(calls, len(copies))
+    for c in copies:
+        call(c)  # compile, allocate, warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            call(copies[i % len(copies)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    del graph
+    return sorted(times)[len(times) // 2]
 
 
 def _env():
@@ -70,37 +90,32 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
     w, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
     nbytes_q = sum(t.numel() * t.element_size() for t in prep)
-    rot_q = Rotating(lambda: tuple(t.clone() for t in prep), nbytes_q)
-    rot_w = Rotating(lambda: w.clone(), w.numel() * 2) if peers else None
-    w8 = rot8 = None
+    preps = _copies(lambda: tuple(t.clone() for t in prep), nbytes_q)
     if peers:
+        ws = _copies(lambda: w.clone(), w.numel() * 2)
         w8 = (w.float() / (w.float().abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn)
         ws8 = (w.float().abs().amax(1) / 448).view(1, n)
-        rot8 = Rotating(lambda: w8.clone(), w8.numel())
+        w8s = _copies(lambda: w8.clone(), w8.numel())
     out = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         rec = {"format": fmt, "M": m, "N": n, "K": k}
         opts = {"fp8_activations": True} if kernels == "fp8" else {}
         kernel = kernels or sm90.choose_kernel(fmt, m, opts)
-        if kernel == "fp8" and fmt == "nvfp4":
-            continue
         rec["backend"] = f"sm90:{kernel}"
-        rec["us"] = _bench(rot_q(lambda p: sm90.gemm(x, *p, None, fmt=fmt, n=n, k=k, options={"kernel": kernel})))
+        reps = dict(replays=10, calls=8) if m <= 64 else dict(replays=5, calls=2)  # long calls: fewer
+        rec["us"] = _time_graph(lambda p: sm90.gemm(x, *p, None, fmt=fmt, n=n, k=k, options={"kernel": kernel}),
+                                preps, **reps)
         if peers:
-            rec["bf16_us"] = _bench(rot_w(lambda wb: F.linear(x, wb)))
-            try:
-                xs = (x.float().abs().amax(1, keepdim=True) / 448).clamp_min(1e-12)
-                x8 = (x.float() / xs).to(torch.float8_e4m3fn)
-                mp = max(16, -(-m // 16) * 16)
-                if mp != m:
-                    x8 = torch.cat([x8, x8.new_zeros(mp - m, k)])
-                    xs = torch.cat([xs, xs.new_ones(mp - m, 1)])
-                rec["fp8_us"] = _bench(rot8(lambda wq: torch._scaled_mm(x8, wq.t(), scale_a=xs, scale_b=ws8,
-                                                                        out_dtype=torch.bfloat16)))
-            except RuntimeError as e:  # shapes cuBLASLt FP8 refuses
-                rec["fp8_us"] = None
-                rec["fp8_error"] = str(e).splitlines()[0][:120]
+            rec["bf16_us"] = _time_graph(lambda wb: F.linear(x, wb), ws, **reps)
+            xs = (x.float().abs().amax(1, keepdim=True) / 448).clamp_min(1e-12)
+            x8 = (x.float() / xs).to(torch.float8_e4m3fn)
+            mp = max(16, -(-m // 16) * 16)  # cuBLASLt FP8 wants M a multiple of 16: pad (counted in the time)
+            if mp != m:
+                x8 = torch.cat([x8, x8.new_zeros(mp - m, k)])
+                xs = torch.cat([xs, xs.new_ones(mp - m, 1)])
+            rec["fp8_us"] = _time_graph(lambda wq: torch._scaled_mm(x8, wq.t(), scale_a=xs, scale_b=ws8,
+                                                                     out_dtype=torch.bfloat16), w8s, **reps)
             if m <= 16:
                 rec["eager_us"] = _bench(lambda: F.linear(x, q.dequantize(torch.bfloat16)), rep=20)
             rec["speedup_vs_bf16"] = rec["bf16_us"] / rec["us"]
@@ -131,22 +146,22 @@ def bench_quantize(m=8192, k=8192):
 
 
 def sweep_decode(fmt, n, k, ms, configs, seed=0):
-    """Time decode-kernel tile configurations (block_m, reps, unroll, split, num_warps)."""
+    """Time decode-kernel tile configurations (DecodeConfig fields)."""
     from microscale.kernels import sm90
     from microscale.kernels.sm90 import launch as paths
     from microscale.kernels.sm90.decode import FMT_CODE
     _, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
-    rot = Rotating(lambda: tuple(t.clone() for t in prep), sum(t.numel() * t.element_size() for t in prep))
+    preps = _copies(lambda: tuple(t.clone() for t in prep), sum(t.numel() * t.element_size() for t in prep))
     recs = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for c in configs:
             cfg = paths.DecodeConfig(**c)
-            if cfg.block_m < min(m, 32) and m <= 32:
+            if cfg.block_m < min(m, 32):
                 continue
             try:
-                us = _bench(rot(lambda p: paths.decode_gemm(x, *p, None, FMT_CODE[fmt], n, k, cfg)))
+                us = _time_graph(lambda p: paths.decode_gemm(x, *p, None, FMT_CODE[fmt], n, k, cfg), preps)
             except Exception as e:  # a configuration that does not compile or fit
                 us = None
                 print("config failed", c, str(e).splitlines()[0][:200], flush=True)
@@ -167,15 +182,17 @@ def bench_large(fmt, n, k, ms, seed=0):
     recs = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        rec = {"op": "large", "format": fmt, "M": m, "N": n, "K": k, "bf16_us": _bench(lambda: F.linear(x, w))}
-        for chunk in (0, 2048, 4096):
-            rec[f"dequant_chunk{chunk}_us"] = _bench(lambda: paths.dequant_gemm(x, *prep, None, code, n, k, chunk_rows=chunk))
+        rec = {"op": "large", "format": fmt, "M": m, "N": n, "K": k,
+               "bf16_us": _time_graph(lambda wb: F.linear(x, wb), [w, w.clone()])}
+        for chunk in (0, 4096):
+            rec[f"dequant_chunk{chunk}_us"] = _time_graph(
+                lambda p: paths.dequant_gemm(x, *p, None, code, n, k, chunk_rows=chunk), [prep])
         if fmt != "nvfp4":
-            inexact = torch.zeros(1, dtype=torch.int32, device="cuda")
-            rec["fp8_us"] = _bench(lambda: paths.fp8_gemm(x, *prep, None, code, n, k, inexact))
+            rec["fp8_us"] = _time_graph(lambda p: paths.fp8_gemm(x, *p, None, code, n, k), [prep])
             y8 = paths.fp8_gemm(x, *prep, None, code, n, k)
             y16 = paths.dequant_gemm(x, *prep, None, code, n, k)
             rec["fp8_rel_err_vs_w4a16"] = ((y8.float() - y16.float()).norm() / y16.float().norm()).item()
+            rec["fp8_inexact_weights"] = paths.transcoded(*prep, code, n, k)[2]
         print(json.dumps(rec), flush=True)
         recs.append(rec)
     return recs
@@ -266,7 +283,7 @@ def main():
                 best.setdefault(key, []).append(r)
         for key, rs in best.items():
             rs.sort(key=lambda r: r["us"])
-            print(key, [(r["block_m"], r["reps"], r["unroll"], r["num_warps"], round(r["us"], 1)) for r in rs[:4]],
+            print(key, [(r["block_m"], r["reps"], r["unroll"], r["ctas_per_sm"], round(r["us"], 1)) for r in rs[:4]],
                   "worst", round(rs[-1]["us"], 1))
         return
     if args.table:
@@ -287,14 +304,15 @@ def main():
             for n, k in shapes:
                 results["large"] += bench_large(fmt, n, k, ms)
     elif args.sweep:
-        configs = [dict(block_m=bm, reps=r, unroll=u, split=s, num_warps=nw)
-                   for bm, r, u, s, nw in itertools.product([8, 16], [1, 2], [1, 2, 4], [0], [4])]
+        configs = [dict(block_m=bm, reps=r, unroll=u, ctas_per_sm=c)
+                   for bm, (r, u), c in itertools.product([8, 16], [(1, 2), (1, 4), (2, 2), (2, 4)], [2, 4, 8])]
         for fmt in formats:
             for n, k in shapes:
                 for m in ms:
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-                    print(json.dumps({"op": "bf16", "M": m, "N": n, "K": k, "us": _bench(lambda: F.linear(x, wb))}))
+                    wbs = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                    print(json.dumps({"op": "bf16", "M": m, "N": n, "K": k,
+                                      "us": _time_graph(lambda wb: F.linear(x, wb), wbs)}))
                 results["sweep"] += sweep_decode(fmt, n, k, ms, configs)
     else:
         if not args.no_quantize:
@@ -302,8 +320,11 @@ def main():
         for fmt in formats:
             for n, k in shapes:
                 results["gemm"] += bench_shape(fmt, n, k, ms)
-                if args.fp8 and fmt != "nvfp4":
-                    results["gemm"] += bench_shape(fmt, n, k, [m for m in ms if m >= 512], kernels="fp8", peers=False)
+                if args.fp8 and fmt != "nvfp4" and (n, k) == (8192, 8192):
+                    results["gemm"] += bench_shape(fmt, n, k, [m for m in ms if m >= 512], kernels="fp8")
+                if args.out:  # partial results survive a time limit
+                    with open(args.out, "w") as fh:
+                        json.dump(results, fh, indent=1)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -13,7 +13,6 @@ with float accumulation, computed on hardware without an FP4 datapath (the H200)
 activations use a per-call global scale from the activation tensor's absolute maximum.
 """
 
-import importlib.util
 from typing import Optional
 
 import torch
@@ -22,22 +21,22 @@ from ..formats.spec import get_format
 from ..quant import quantize
 from .dispatch import Backend, get_backend, select_backend
 
-_GPU_QUANTIZER = "microscale.kernels.quantize"
-
 
 def _activation_quantizer(device: torch.device):
-    """The quantizer for activations on `device`: the GPU kernel where it exists, else the reference.
+    """The fused Triton quantizer on CUDA, the reference elsewhere: the same bits (tested so in
+    tests/kernels), but the kernel neither synchronizes nor builds host tensors (CUDA graphs)."""
+    if device.type == "cuda":
+        from .quantize import quantize_gpu  # imports Triton, only where a GPU runs
 
-    Both give the same bits (the GPU kernel is tested bit-identical to quant.quantize).
-    """
-    if device.type == "cuda" and importlib.util.find_spec(_GPU_QUANTIZER) is not None:
-        return importlib.import_module(_GPU_QUANTIZER).quantize_gpu
+        return quantize_gpu
     return quantize
 
 
 def quantize_dequantize_activations(x2d: torch.Tensor, fmt: str) -> torch.Tensor:
-    """x rounded to `fmt` along K (the last dim), returned in x's dtype."""
-    q = _activation_quantizer(x2d.device)(x2d, fmt)
+    """x [M, K] rounded to `fmt` along K, returned in x's dtype."""
+    if x2d.shape[0] == 0:
+        return x2d
+    q = _activation_quantizer(x2d.device)(x2d, fmt, scale_layout="linear")
     return q.dequantize(x2d.dtype)
 
 
@@ -76,9 +75,10 @@ def check_activations(activations: Optional[str]) -> Optional[str]:
 
 
 def select_linear_backend(fmt, device, activations: Optional[str] = None, override: Optional[str] = None) -> Backend:
-    """The backend for a quantized Linear: one that runs the activation format natively if there is
-    one on `device`, else the first weight-only one (`linear` then emulates the activations)."""
-    if activations is not None:
+    """The backend for a quantized Linear: one that runs the activations natively if there is one on
+    `device`, else the first weight-only one (`linear` then emulates the activations). Native
+    low-precision-activation kernels (Blackwell W4A4 / W8A8) take activations in the weights' format."""
+    if activations is not None and activations == get_format(fmt).name:
         try:
             return select_backend(fmt, device, options={"activations": activations}, override=override)
         except ValueError:

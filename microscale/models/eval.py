@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -268,6 +269,10 @@ CAUSAL_LM_COLUMNS = [
 PROMPT = "The Eiffel Tower is"
 
 
+def _note(text: str) -> str:
+    return textwrap.fill(text, width=110)
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -280,10 +285,10 @@ def run_encoder(formats, activations: Optional[str] = None, *, device, n_sentenc
     rows = evaluate_encoder(model, tokenizer, variants(formats, activations), sentences, device=device, log=log)
     log("")
     log(format_table(rows, ENCODER_COLUMNS))
-    log("bits/weight and MiB: the Linear weights with their block and global scales. SQNR and max rel err: "
-        "quantized vs float32 weights; max rel err = max over blocks of max|w_q - w| / max|w| in the block. "
-        "cos: cosine similarity of each sentence's embedding to float32's; pair rank corr: Spearman "
-        "correlation of all pairwise sentence similarities with float32's.")
+    log(_note("bits/weight and MiB: the Linear weights with their block and global scales. SQNR and max rel err: "
+              "quantized vs float32 weights; max rel err = max over blocks of max|w_q - w| / max|w| in the block. "
+              "cos: cosine similarity of each sentence's embedding to float32's; pair rank corr: Spearman "
+              "correlation of all pairwise sentence similarities with float32's."))
     return rows
 
 
@@ -303,11 +308,12 @@ def run_causal_lm(variant_list: list, *, device, tokens: Optional[int] = None, a
                               prompt=PROMPT, new_tokens=new_tokens, log=log)
     log("")
     log(format_table(rows, CAUSAL_LM_COLUMNS))
-    log("Linear MiB: the quantized decoder Linears (lm_head, tied to the embedding, stays float32); "
-        "model MiB: all parameters and buffers.")
+    log(_note("Linear MiB: the quantized decoder Linears (lm_head, tied to the embedding, stays float32); "
+              "model MiB: all parameters and buffers."))
     for v, row in zip(variant_list, rows):
         if v.activations and not any("activations" in get_backend(b).options for b in row["backend"].split(",")):
-            log(f"{v.label}: no {v.activations} datapath on backend {row['backend']}: activations are quantized to "
-                f"{v.activations} and dequantized (per-call global scale for NVFP4, blocks along K), then "
-                f"multiplied with float accumulation: the numerics of low-precision activations, not their speed.")
+            log(_note(f"{v.label}: no {v.activations} datapath on backend {row['backend']}: activations are "
+                      f"quantized to {v.activations} and dequantized (per-call global scale for NVFP4, blocks along "
+                      f"K), then multiplied with float accumulation: the numerics of low-precision activations, "
+                      f"not their speed."))
     return rows

@@ -224,7 +224,7 @@ def _first_layer_inputs(model, layers, calibration: torch.Tensor, batch_size: in
     try:
         for i in range(0, calibration.shape[0], batch_size):
             try:
-                model(calibration[i:i + batch_size], use_cache=False)
+                model(calibration[i:i + batch_size], use_cache=False)  # a KV cache would grow across calls
             except _StopForward:
                 pass
     finally:

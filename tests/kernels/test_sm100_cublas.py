@@ -64,7 +64,8 @@ def blocked_scaled_mm(a, b, scale_a, scale_b, out_dtype):
     def values(t, scale):  # t: [rows, K] (K-major)
         codes = e2m1_decode(unpack_fp4(t.view(torch.uint8))) if fp4 else t.float()
         rows, k = codes.shape
-        s = unswizzle_scales_128x4(scale.view(-1, 1).view(swizzled_scale_shape(rows, k // block)[0], -1), rows, k // block)
+        padded_rows = swizzled_scale_shape(rows, k // block)[0]
+        s = unswizzle_scales_128x4(scale.view(padded_rows, -1), rows, k // block)
         s = s.float() if s.dtype == torch.float8_e4m3fn else e8m0_decode(s.view(torch.uint8))
         return codes.double() * s.double().repeat_interleave(block, 1)
 

@@ -3,8 +3,8 @@
 EMULATE_MMA swaps only tl.dot_scaled for an in-register dequantize + tl.dot, so these tests exercise
 the kernel's TMA descriptors, 5-D scale views, swapped operands, persistent tile walk, K tails,
 masking, global scales, bias and transposed/clipped TMA stores against float64 math on the
-dequantized operands. Outputs are NaN-poisoned first (including the padding columns of a wider
-buffer, which must stay NaN).
+dequantized operands. Outputs are NaN-poisoned first, in a wider buffer whose columns past the
+16-byte boundary after N must stay NaN (TMA stores write whole 16-byte chunks: triton#11583).
 
 CPU: TRITON_INTERPRET=1 in a subprocess (set before triton is imported). The interpreter computes
 the emulated dot in float32 and truncates float32 -> bfloat16 on the store, hence its looser bound.
@@ -35,12 +35,12 @@ GPU_SHAPES = [(1, 264, 320), (33, 100, 96), (64, 520, 1040), (65, 300, 512), (30
 PERSISTENT_SHAPE = (1100, 4000, 512)  # 9 x 16 = 144 output tiles > 132 SMs: programs take several tiles
 
 
-def make_problem(act, wt, m, n, k, seed, device, *, bias=True):
+def make_problem(act, wt, m, n, k, seed, device, *, bias=True, huge_row=True):
     """Quantized activations (reference quantizer, in the layout the tile wants) and weights, with edge rows."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
     x[0] = 0.0  # an all-zero row: zero scales (E8M0 2^-127 or the NVFP4 0.125 rule)
-    if m > 2:
+    if m > 2 and huge_row:
         x[1] *= 1e4  # a row far above the others (the NVFP4 global scale follows it)
         x[2, : k // 2] *= 1e-6  # tiny blocks next to normal ones in one row
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
@@ -58,10 +58,15 @@ def float64_reference(a, w, bias):
     return y, a64.abs() @ w64.abs().T
 
 
+def scratch_end(n):
+    """TMA stores write whole 16-byte chunks: columns [n, scratch_end) may be written, later ones not."""
+    return (n + 7) // 8 * 8
+
+
 def run_poisoned(a, w, bias, out_dtype=torch.bfloat16):
     """The emulated kernel into a NaN-filled buffer with spare columns; returns (y view, buffer)."""
     m, n = a.shape[0], w.shape[0]
-    width = (n + 7) // 8 * 8 + 8  # 16-byte rows, at least 8 spare columns
+    width = scratch_end(n) + 8  # 16-byte rows, 8 columns that must stay NaN
     buffer = torch.full((m, width), float("nan"), dtype=out_dtype, device=a.data.device)
     y = tg.block_scaled_gemm(a, *tg.prepare_weight(w), bias, w_fmt=w.fmt, n=n, out_dtype=out_dtype,
                              out=buffer[:, :n], emulate=True)
@@ -74,7 +79,7 @@ def error_report(y, buffer, ref, magnitude, rel):
     bound = rel * ref.abs() + ACC * magnitude
     return dict(nan=int(y.isnan().sum()), bad=int((~(err <= bound)).sum()),
                 max_err_over_bound=float((err / bound.clamp_min(1e-300)).nan_to_num(float("inf")).max()),
-                padding_written=int((~buffer[:, n:].isnan()).sum()))
+                padding_written=int((~buffer[:, scratch_end(n):].isnan()).sum()))
 
 
 # ---- CPU: the interpreter ------------------------------------------------------------------------
@@ -127,7 +132,7 @@ def test_emulated_kernel_on_gpu(act, wt, shape, seed):
 
 @pytest.mark.gpu
 def test_emulated_kernel_fp16_out_without_bias(seed):
-    a, w, _ = make_problem("nvfp4", "nvfp4", 200, 136, 512, seed, "cuda", bias=False)
+    a, w, _ = make_problem("nvfp4", "nvfp4", 200, 136, 512, seed, "cuda", bias=False, huge_row=False)
     y, buffer = run_poisoned(a, w, None, out_dtype=torch.float16)
     ref, magnitude = float64_reference(a, w, None)
     report = error_report(y, buffer, ref, magnitude, 2.0**-10)  # fp16 RNE is 2^-11
@@ -155,3 +160,11 @@ def test_backend_gate_and_end_to_end_emulated(monkeypatch, seed):
             err = (y.double() - ref).abs()
             ok = err <= GPU_REL * ref.abs() + ACC * magnitude
             assert not y.isnan().any() and bool(ok.all()), (act, wt, m, int((~ok).sum()))
+
+
+def test_out_must_leave_room_for_whole_16_byte_stores():
+    a = quantize(torch.randn(4, 64), "mxfp8", scale_layout="linear")
+    w = quantize(torch.randn(100, 64), "mxfp8")
+    exact = torch.empty(4, 100, dtype=torch.bfloat16)  # 200-byte rows: the last 16-byte chunk overhangs N
+    with pytest.raises(ValueError, match="16-byte chunks"):
+        tg.block_scaled_gemm(a, *tg.prepare_weight(w), None, w_fmt="mxfp8", n=100, out=exact, emulate=True)

@@ -8,8 +8,8 @@ global scales and the bias are applied to its output, as torchao does.
 Only the pairs cuBLAS documents are offered: NVFP4 x NVFP4 and MXFP8 x MXFP8 (cuBLAS 13.1 has no
 MXFP4 or mixed block-scaled GEMM). Shapes are padded to what torch checks (K to 32 elements, B's
 N to 16) and A to 128 rows below M = 128 (vllm#48491: cuBLAS NVFP4 rejects M < 128). Nothing here
-has run on a Blackwell GPU: the backend is gated by the first-use self-test, and CI only checks the
-arguments against torch's own shape rules (fake CUDA tensors).
+has run on a Blackwell GPU: the backend is gated by the first-use self-test; CI checks the arguments
+against torch's own shape rules (fake CUDA tensors) and the glue around a stand-in _scaled_mm.
 """
 
 from typing import Optional
@@ -20,7 +20,7 @@ from ...formats.spec import FormatSpec, get_format
 from ...formats.tensor import QTensor
 from ..dispatch import Backend, compute_capability, register
 from ..selftest import backend_run_fn, selftest_passed
-from .operands import ceil_to, check_format_pair, pad_codes
+from .operands import check_format_pair, pad_codes
 from .operands import prepare_weight as _prepare_weight
 
 BACKEND_NAME = "sm100-cublas"
@@ -65,7 +65,7 @@ def scaled_mm(a: QTensor, w_data: torch.Tensor, w_scale: torch.Tensor, w_global:
     operands = scaled_mm_operands(a, w_data, w_scale, w_fmt=w_fmt)
     y = torch._scaled_mm(*operands, out_dtype=torch.bfloat16)[: a.shape[0], :n].float()
     if a.global_scale is not None:
-        y = y / (a.global_scale * w_global)
+        y = y * ((1.0 / a.global_scale) * (1.0 / w_global))  # the product g_a * g_w can overflow
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)

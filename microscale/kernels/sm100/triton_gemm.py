@@ -20,9 +20,10 @@ then reads its scales from TMEM. In SWAP_AB mode the activation scales ([M, cols
 are a [BLOCK_N, cols] pointer load (tcgen05.st through registers): at most 64 rows per tile.
 
 EMULATE_MMA (constexpr) replaces only tl.dot_scaled by an in-register dequantization plus tl.dot
-(bf16 operands, fp32 accumulation, exact: every E2M1/E4M3 value times its scale fits bf16). The
-same tiling, TMA descriptors, scale views, persistent schedule, masking and epilogue then run on a
-Hopper GPU or under TRITON_INTERPRET=1, where tcgen05 does not exist.
+(bf16 operands, fp32 accumulation, exact: every E2M1/E4M3 value times its scale fits bf16; fp32
+operands under TRITON_INTERPRET, whose dot cannot take bf16). The same tiling, TMA descriptors,
+scale views, persistent schedule, masking and epilogue then run on a Hopper GPU or on the CPU,
+where tcgen05 does not exist. The compiler's sm100-only warp specialization is off there.
 """
 
 import os
@@ -152,7 +153,7 @@ def block_scaled_gemm_kernel(
     k_tiles = tl.cdiv(k, BLOCK_K)
     alpha = 1.0
     if lhs_global_ptr is not None:
-        alpha = 1.0 / (tl.load(lhs_global_ptr) * tl.load(rhs_global_ptr))
+        alpha = (1.0 / tl.load(lhs_global_ptr)) * (1.0 / tl.load(rhs_global_ptr))  # g_A * g_W can overflow
 
     # Persistent over output tiles, NUM_SMS apart. As in Triton's Blackwell persistent matmul, the
     # tile loop is flattened with the K loop into one software pipeline (num_stages TMA buffers)
@@ -176,7 +177,7 @@ def block_scaled_gemm_kernel(
                 rhs_scale_tile = _load_swizzled_scales(rhs_scale, row_rhs, ki * SCALE_COLS, BLOCK_N, SCALE_COLS)
             acc = _mma(acc, lhs, lhs_scale, rhs, rhs_scale_tile, LHS_FMT, RHS_FMT, VEC, EMULATE_MMA, EMULATED_DTYPE)
 
-        # epilogue: global scales, bias, cast; the TMA store clips the ragged edges
+        # epilogue: global scales, bias, cast; the TMA store clips ragged rows (and columns to 16 bytes)
         tile_id_out += NUM_SMS
         pid_m, pid_n = _tile_coords(tile_id_out, num_pid_m, num_pid_n, GROUP_M)
         row_lhs = pid_m * BLOCK_M
@@ -282,13 +283,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _output(out: Optional[torch.Tensor], m: int, n: int, dtype, device) -> torch.Tensor:
-    """[M, N] output with 16-byte rows (the TMA store's rule): the caller's, or a padded buffer's view."""
+    """The [M, N] destination of the TMA store: the caller's `out`, or a view of a padded buffer.
+
+    TMA stores write whole 16-byte chunks (triton-lang/triton#11583): when a row of N elements is
+    not a multiple of 16 bytes, the columns up to the next 16-byte boundary are written too. So rows
+    must own that much room; those extra columns are scratch.
+    """
+    room = ceil_to(n, 16 // dtype.itemsize)
     if out is None:
-        return torch.empty(m, ceil_to(n, 16 // dtype.itemsize), dtype=dtype, device=device)[:, :n]
-    if (tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1
+        return torch.empty(m, room, dtype=dtype, device=device)[:, :n]
+    if (tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1 or out.stride(0) < room
             or (out.stride(0) * dtype.itemsize) % 16 or out.data_ptr() % 16):
-        raise ValueError(f"sm100 GEMM: out must be {dtype} [{m}, {n}] with unit column stride and 16-byte aligned "
-                         f"rows, got {out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+        raise ValueError(f"sm100 GEMM: out must be {dtype} [{m}, {n}], unit column stride, 16-byte aligned rows "
+                         f"of at least {room} elements (TMA stores write whole 16-byte chunks), got {out.dtype} "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
     return out
 
 
@@ -299,10 +307,10 @@ def block_scaled_gemm(a: QTensor, w_data: torch.Tensor, w_scale: torch.Tensor, w
     """y [M, N] = dequant(a) @ dequant(W)^T (+ bias), from quantized activations and a prepared weight.
 
     a: activations [M, K] as a QTensor in either scale layout (converted if the tile wants the other).
-    w_data, w_scale, w_global: from prepare_weight. out: optional [M, N] destination (16-byte rows;
-    it may be a view into a wider buffer). emulate: the EMULATE_MMA kernel (any sm90+ GPU, or
-    TRITON_INTERPRET=1 on CPU tensors). Returns out_dtype (bf16 or fp16) [M, N], contiguous unless
-    `out` was given.
+    w_data, w_scale, w_global: from prepare_weight. out: optional [M, N] destination, a view of rows
+    at least ceil(N, 16 bytes) long (the columns past N up to that boundary are scratch).
+    emulate: the EMULATE_MMA kernel (any sm90+ GPU, or TRITON_INTERPRET=1 on CPU tensors).
+    Returns out_dtype (bf16 or fp16) [M, N], contiguous unless `out` was given.
     """
     act, wt = check_format_pair(a.fmt, w_fmt)
     m, k = a.shape

@@ -180,7 +180,7 @@ def _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt, K, FMT: gl.constexpr, RG: gl.
 @gluon.jit
 def decode_gemm_kernel(
     X, W, S, ROW_MULT, BIAS, Y, WS, TICKETS,
-    M, N, K, KT, steps_per_split, stride_xm, stride_ym,
+    M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr,
 ):
@@ -236,14 +236,14 @@ def decode_gemm_kernel(
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
     out_mask = (n_idx < N)[:, None] & (m_idx < M)[None, :]
-    if SPLIT > 1:
+    if SPLIT:
         tile = pid_m * gl.num_programs(0) + pid_n
         gl.store(WS + (pid_s * M + m_idx[None, :]).to(gl.int64) * N + n_idx[:, None], acc, mask=out_mask)
         gl.thread_barrier()  # every thread's partial is written before the ticket (release) is taken
         ticket = gl.atomic_add(TICKETS + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT - 1:
+        if ticket == n_split - 1:
             acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
-            for s in range(SPLIT):
+            for s in range(n_split):
                 acc += gl.load(WS + (s * M + m_idx[None, :]).to(gl.int64) * N + n_idx[:, None], mask=out_mask,
                                other=0.0, cache_modifier=".cg")
             _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, out_mask, stride_ym, N, HAS_BIAS)

@@ -3,12 +3,17 @@
     decode_gemm    M <= 64: weights dequantized in registers into mma.sync (decode.py)
     dequant_gemm   large M: dequantize into a bf16 workspace tile by tile, cuBLAS on each tile
     fp8_gemm       large M, opt-in (MX formats): weights transcoded to E4M3 with a per-row power of
-                   two, activations quantized per row to E4M3, torch._scaled_mm (cuBLAS FP8)
+                   two (once per weight, cached), activations quantized per row to E4M3,
+                   torch._scaled_mm (cuBLAS FP8)
 
 All take the tensors `prepare` made (layout.shuffle_weights) and return y [M, N] in x's dtype.
 """
 
+import functools
 import math
+import os
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -30,25 +35,35 @@ class DecodeConfig:
     unroll: int = 2  # K steps of 64 per loop trip
     block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
     split: int = 0  # K splits; 0 = chosen from the grid size
+    ctas_per_sm: int = 4  # target programs per SM when the split is chosen
 
     @property
     def block_n(self) -> int:
         return ROW_GROUP * self.num_warps * self.reps
 
 
-def decode_config(m: int, n: int, k: int) -> DecodeConfig:
-    """Tile choice for the decode kernel (measured on the H200: BENCHMARKS.md)."""
-    block_m = 8 if m <= 8 else 16 if m <= 16 else 32
-    unroll = 1 if block_m == 32 else 2
-    return DecodeConfig(block_m=block_m, unroll=unroll)
+def decode_config(m: int, fmt_code: int) -> DecodeConfig:
+    """Tile choice for the decode kernel, from the sweep on the H200 (bench/gemm.py --sweep,
+    bench/results/sweep_h200.json): M <= 8 one 16-row group per warp and 4 K steps per trip; up to 16
+    two row groups (MXFP8: 4 K steps) at about 2 programs per SM; above, 32 activation rows per program."""
+    if m <= 8:
+        return DecodeConfig(block_m=8, reps=1, unroll=4, ctas_per_sm=4)
+    if m <= 16:
+        return DecodeConfig(block_m=16, reps=2, unroll=4 if fmt_code == 2 else 2, ctas_per_sm=2)
+    return DecodeConfig(block_m=32, reps=2, unroll=1, ctas_per_sm=4)
 
 
 def _split_for(cfg: DecodeConfig, tiles: int, kt: int, sms: int) -> int:
-    """Enough K splits for about four programs per SM, each with at least four loop trips."""
+    """Enough K splits for about cfg.ctas_per_sm programs per SM, each with at least four loop trips."""
     if cfg.split:
         return cfg.split
     trips = kt // cfg.unroll
-    return max(1, min(trips // 4, math.ceil(4 * sms / tiles)))
+    return max(1, min(trips // 4, math.ceil(cfg.ctas_per_sm * sms / tiles)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 _TICKETS: dict = {}
@@ -69,10 +84,10 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
-    cfg = cfg or decode_config(m, n, k)
+    cfg = cfg or decode_config(m, fmt_code)
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.block_m)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
     split = _split_for(cfg, tiles_n * tiles_m, kt, sms)
     steps = triton.cdiv(triton.cdiv(kt, split), 2 * cfg.unroll) * 2 * cfg.unroll
     split = triton.cdiv(kt, steps)
@@ -82,8 +97,8 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     tickets = _tickets(x.device, tiles_n * tiles_m)
     decode.decode_gemm_kernel[(tiles_n, split, tiles_m)](
         x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, tickets,
-        m, n, k, kt, steps, x.stride(0), y.stride(0),
-        FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split, NW=cfg.num_warps, R=cfg.reps, U=cfg.unroll,
+        m, n, k, kt, steps, split, x.stride(0), y.stride(0),
+        FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, R=cfg.reps, U=cfg.unroll,
         BMX=cfg.block_m, num_warps=cfg.num_warps,
     )
     return y
@@ -148,21 +163,36 @@ def transcode_e4m3(data, scale, row_mult, fmt_code: int, n: int, k: int, inexact
 
 
 @triton.jit
-def _rowwise_e4m3_kernel(X, Q, S, K, Kp, stride_xm, BLOCK_K: tl.constexpr):
-    """Q[row] = e4m3(X[row] * 448 / amax(row)) (zero padded to Kp), S[row] = amax / 448 (1 for a zero row)."""
+def _e4m3_row_bits(v, HW_CVT: tl.constexpr):
+    v = tl.minimum(tl.maximum(v, -E4M3_LIMIT), E4M3_LIMIT)
+    if HW_CVT:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return _e4m3_bits(v).to(tl.uint8)
+
+
+@triton.jit
+def _rowwise_e4m3_kernel(X, Q, S, K, Kp, stride_xm, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+                         HW_CVT: tl.constexpr):
+    """Q[row] = e4m3(X[row] * 448 / amax(row)) (zero padded to Kp), S[row] = amax / 448 (1 for a zero row).
+
+    One chunk keeps the row in registers (one read of x); HW_CVT rounds with the GPU's cvt instruction,
+    the integer path (_e4m3_bits, same bits) serves the interpreter, whose float8 casts are not RNE.
+    """
     row = tl.program_id(0)
     ks = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(X + row.to(tl.int64) * stride_xm + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    amax = tl.max(amax, axis=0)
-    scale = tl.where(amax > 0, amax / E4M3_LIMIT, 1.0)
-    inv = E4M3_LIMIT / tl.where(amax > 0, amax, E4M3_LIMIT)
-    for k0 in range(0, Kp, BLOCK_K):
-        x = tl.load(X + row.to(tl.int64) * stride_xm + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
-        q = _e4m3_bits(tl.minimum(tl.maximum(x * inv, -E4M3_LIMIT), E4M3_LIMIT)).to(tl.uint8)
-        tl.store(Q + row.to(tl.int64) * Kp + k0 + ks, q, mask=k0 + ks < Kp)
+    base = X + row.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        x = tl.load(base + c * BLOCK_K + ks, mask=c * BLOCK_K + ks < K, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(x))
+    amax = tl.max(acc, axis=0)
+    scale = tl.where(amax > 0, tl.div_rn(amax, E4M3_LIMIT), 1.0)
+    inv = tl.div_rn(tl.full([1], E4M3_LIMIT, tl.float32), tl.where(amax > 0, amax, E4M3_LIMIT))
+    for c in tl.static_range(CHUNKS):
+        if CHUNKS > 1:
+            x = tl.load(base + c * BLOCK_K + ks, mask=c * BLOCK_K + ks < K, other=0.0).to(tl.float32)
+        q = _e4m3_row_bits(x * inv, HW_CVT)
+        tl.store(Q + row.to(tl.int64) * Kp + c * BLOCK_K + ks, q, mask=c * BLOCK_K + ks < Kp)
     tl.store(S + row, scale)
 
 
@@ -171,20 +201,44 @@ def quantize_rows_e4m3(x: torch.Tensor, kp: int):
     m, k = x.shape
     q = torch.empty(m, kp, dtype=torch.uint8, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    _rowwise_e4m3_kernel[(m,)](x, q, s, k, kp, x.stride(0), BLOCK_K=1024, num_warps=4)
+    block = min(triton.next_power_of_2(kp), 16384)
+    _rowwise_e4m3_kernel[(m,)](x, q, s, k, kp, x.stride(0), BLOCK_K=block, CHUNKS=triton.cdiv(kp, block),
+                               HW_CVT=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
     return q.view(torch.float8_e4m3fn), s
 
 
-def fp8_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, inexact: torch.Tensor = None):
+# transcoded weights, kept while the prepared data tensor lives (the FP8 path is opt-in: its E4M3 copy
+# costs one byte per weight on top of the MX tensors)
+_E4M3_CACHE: dict = {}  # id(data) -> (weakref to data, key, value); dropped when data is freed
+
+
+def transcoded(data, scale, row_mult, fmt_code: int, n: int, k: int):
+    """(E4M3 weights, per-row scale, inexact count) for prepared MX weights, transcoded once.
+
+    Elements E4M3 cannot hold exactly (a row whose block exponents span more than E4M3 covers) are
+    counted; a non-zero count is reported once with a warning."""
+    key = (scale.data_ptr(), n, k)
+    hit = _E4M3_CACHE.get(id(data))
+    if hit is not None and hit[0]() is data and hit[1] == key:
+        return hit[2]
+    inexact = torch.zeros(1, dtype=torch.int32, device=data.device)
+    w8, w_scale = transcode_e4m3(data, scale, row_mult, fmt_code, n, k, inexact)
+    count = int(inexact.item())
+    if count:
+        warnings.warn(f"sm90 fp8 path: {count} of {n * k} weights of a [{n}, {k}] MX tensor are not exact in E4M3 "
+                      "(a row's block exponents span more than E4M3 holds); they are rounded")
+    _E4M3_CACHE[id(data)] = (weakref.ref(data), key, (w8, w_scale, count))
+    weakref.finalize(data, _E4M3_CACHE.pop, id(data), None)
+    return w8, w_scale, count
+
+
+def fp8_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int):
     """y ~= x @ W^T with E4M3 activations (per-row scales) and E4M3 weights (per-row powers of two)."""
     np_, kp = padded_shape(n, k)
-    if inexact is None:
-        inexact = torch.zeros(1, dtype=torch.int32, device=x.device)
-    w8, w_scale = transcode_e4m3(data, scale, row_mult, fmt_code, n, k, inexact)
+    w8, w_scale, _ = transcoded(data, scale, row_mult, fmt_code, n, k)
     x8, x_scale = quantize_rows_e4m3(x, kp)
     y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.view(1, np_), out_dtype=torch.bfloat16)
     y = y[:, :n] if np_ != n else y
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.to(x.dtype)
-

@@ -1,0 +1,378 @@
+"""End-to-end decode: a Llama-3-8B-shaped decoder (random weights), bf16 vs NVFP4 / MXFP4 / MXFP8 weights.
+
+    PYTHONPATH=. python3 bench/e2e.py --out bench/results/e2e_h200.json --markdown BENCHMARKS.md
+    PYTHONPATH=. python3 bench/e2e.py --tiny --out /tmp/e2e_tiny.json     # the same code, tiny model, any device
+
+The model is built from a transformers LlamaConfig with Llama-3-8B's shapes and random weights, once
+per format (the same seed), quantized with quantize_model (decoder Linears; lm_head and embeddings
+stay bf16, its default). Per format and batch size, in one process:
+
+(a) generate: what users run. transformers `generate`, greedy, static cache, compiled decode
+    (CompileConfig(fullgraph=True, mode="reduce-overhead")). Time per decode step = median gap
+    between consecutive tokens reaching a streamer (each step ends in a host sync in generate).
+    GPU breakdown: kernel time of one profiled generate call divided by its new tokens (the short
+    prompt's prefill counts about as one step), split into Linear GEMMs, attention and other
+    kernels by kernel name; host time = step time - GPU time.
+(b) graph: a minimal decode loop (StaticDecoder) whose whole step (all layers, rotary, the static
+    KV cache update, attention, lm_head, greedy argmax, position increment) is captured in one CUDA
+    graph and replayed, so the step time is GPU time. Its first tokens are checked against eager.
+
+Memory: weight bytes = parameters + buffers of the model (storages counted once; for a backend
+whose prepared layout differs from the checkpoint layout both are resident and both count), and
+the peak allocated during (b). Results go to --out (JSON) and, with --markdown, into the section
+between the E2E markers of that file (appended when absent).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from microscale import quantize_model
+from microscale.models.linear import QuantizedLinear
+from microscale.models.quantize_model import model_bytes
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+FORMATS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
+LINEAR_KERNEL_MARKS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul", "dequant", "_mm_")
+ATTENTION_KERNEL_MARKS = ("flash", "fmha", "attention", "sdpa", "attn")
+MARKERS = ("<!-- e2e:begin (bench/e2e.py writes this section) -->", "<!-- e2e:end -->")
+
+
+def build_model(config: dict, fmt: str, device, seed: int = 0):
+    """Random-weight LlamaForCausalLM in bf16 on `device`, its decoder Linears quantized to fmt."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # build in bf16 directly: an fp32 8B model would need 32 GB
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    finally:
+        torch.set_default_dtype(default)
+    report = None if fmt == "bf16" else quantize_model(model, fmt, progress=False)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return model, report
+
+
+# ---- (b) the whole decode step in one CUDA graph --------------------------------------------------
+class StaticDecoder:
+    """Greedy decoding of a transformers Llama model on static buffers, one token per step() call.
+
+    Uses the model's own modules (embedding, norms, projections, MLP, rotary tables, lm_head); the
+    state (next token, position, KV cache) lives in tensors the step updates in place, so the
+    step can be captured once and replayed.
+    """
+
+    def __init__(self, model, batch: int, cache_len: int):
+        cfg = model.config
+        self.model = model
+        device = model.model.embed_tokens.weight.device
+        dtype = model.model.embed_tokens.weight.dtype
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (batch, cfg.num_key_value_heads, cache_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.slots = torch.arange(cache_len, device=device)
+        probe = torch.zeros(1, dtype=dtype, device=device)
+        self.cos, self.sin = model.model.rotary_emb(probe, self.slots[None])  # [1, cache_len, head_dim]
+
+    def reset(self, tokens: torch.Tensor, pos: int = 0):
+        for t in self.k + self.v:
+            t.zero_()
+        self.tokens.copy_(tokens)
+        self.pos.fill_(pos)
+
+    @torch.no_grad()
+    def step(self, advance: bool = True) -> torch.Tensor:
+        """Logits [B, V] for self.tokens at self.pos; then (advance) the argmax becomes the next token."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        m = self.model.model
+        batch = self.tokens.shape[0]
+        p = self.pos.view(1)
+        cos, sin = self.cos.index_select(1, p), self.sin.index_select(1, p)
+        mask = (self.slots <= self.pos).view(1, 1, 1, -1)
+        h = m.embed_tokens(self.tokens)
+        for layer, k_cache, v_cache in zip(m.layers, self.k, self.v):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k_cache.index_copy_(2, p, k)
+            v_cache.index_copy_(2, p, v)
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+            h = h + a.o_proj(o.transpose(1, 2).reshape(batch, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.model.lm_head(m.norm(h))[:, -1]
+        if advance:
+            self.tokens.copy_(logits.argmax(-1, keepdim=True))
+            self.pos.add_(1)
+        return logits
+
+
+def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_tokens: int = 8) -> dict:
+    """Step time of StaticDecoder replayed as one CUDA graph per step; tokens checked against eager."""
+    dec = StaticDecoder(model, batch, prompt_len + steps + check_tokens + 8)
+    first = torch.randint(0, model.config.vocab_size, (batch, 1), device=dec.tokens.device)
+
+    def eager_tokens(n):
+        dec.reset(first, prompt_len)
+        out = []
+        for _ in range(n):
+            dec.step()
+            out.append(dec.tokens.clone())
+        return torch.cat(out, 1)
+
+    eager = eager_tokens(check_tokens)
+    if dec.tokens.device.type != "cuda":  # --tiny on a CPU: the eager loop only
+        dec.reset(first, prompt_len)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            dec.step()
+        return {"ms_per_step": (time.perf_counter() - t0) * 1e3 / steps, "tokens_equal_eager": None}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager_tokens(2)  # warm-up off the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    dec.reset(first, prompt_len)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.step()
+
+    dec.reset(first, prompt_len)
+    replayed = []
+    for _ in range(check_tokens):
+        graph.replay()
+        replayed.append(dec.tokens.clone())
+    same = torch.equal(torch.cat(replayed, 1), eager)
+
+    dec.reset(first, prompt_len)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end) / steps
+    del graph
+    return {"ms_per_step": ms, "tokens_equal_eager": same, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+# ---- (a) transformers generate with a static cache and compiled decode -------------------------------
+class StepClock:
+    """A generate streamer that records when each new token (and first the prompt) arrives."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def ms_per_step(self) -> float:
+        gaps = [b - a for a, b in zip(self.times[2:], self.times[3:])]  # skip the prompt and the prefill
+        return statistics.median(gaps) * 1e3
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    if any(s in low for s in ATTENTION_KERNEL_MARKS):
+        return "attention"
+    if any(s in low for s in LINEAR_KERNEL_MARKS):
+        return "linear"
+    return "other"
+
+
+def gpu_breakdown(run, new_tokens: int) -> dict:
+    """Kernel time per new token of one run() under the profiler, by kernel class, plus top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    per_class, per_kernel = {"linear": 0.0, "attention": 0.0, "other": 0.0}, {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            us = e.device_time
+            per_class[kernel_class(e.name)] += us
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6]
+    return {"gpu_ms_per_step": sum(per_class.values()) / 1e3 / new_tokens,
+            **{f"{c}_ms_per_step": v / 1e3 / new_tokens for c, v in per_class.items()},
+            "top_kernels": [{"name": n[:120], "ms_per_step": v / 1e3 / new_tokens, "class": kernel_class(n)}
+                            for n, v in top]}
+
+
+def measure_generate(model, batch: int, prompt_len: int, new_tokens: int, compile_decode: bool) -> dict:
+    from transformers import CompileConfig, GenerationConfig
+
+    device = model.model.embed_tokens.weight.device
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device)
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           cache_implementation="static", pad_token_id=0, eos_token_id=None)
+    if compile_decode:
+        cfg.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+
+    def run(streamer=None):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, streamer=streamer)
+
+    for _ in range(2):  # compile, record the CUDA graphs
+        run()
+    clock = StepClock()
+    run(clock)
+    out = {"ms_per_step": clock.ms_per_step()}
+    if device.type == "cuda":
+        out.update(gpu_breakdown(run, new_tokens))
+        out["host_ms_per_step"] = out["ms_per_step"] - out["gpu_ms_per_step"]
+    return out
+
+
+# ---- driver ----------------------------------------------------------------------------------------
+def env(device) -> dict:
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    if torch.device(device).type == "cuda":
+        import triton
+
+        info.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__)
+    return info
+
+
+def run_format(config, fmt, device, batches, args) -> list:
+    model, report = build_model(config, fmt, device)
+    backends = sorted({m.backend for m in model.modules() if isinstance(m, QuantizedLinear)}) or ["torch (cuBLAS)"]
+    weight_gib = model_bytes(model) / 2**30
+    rows = []
+    for batch in batches:
+        row = {"format": fmt, "batch": batch, "backend": ",".join(backends), "weight_gib": weight_gib,
+               "quantized_linear_gib": report.bytes_after / 2**30 if report else None}
+        row["graph"] = measure_graph_decode(model, batch, args.prompt, args.steps)
+        row["generate"] = measure_generate(model, batch, args.prompt, args.new_tokens,
+                                           compile_decode=torch.device(device).type == "cuda")
+        for how in ("graph", "generate"):
+            row[how]["tokens_per_s"] = batch * 1e3 / row[how]["ms_per_step"]
+        rows.append(row)
+        print(f"{fmt:6s} batch {batch:3d}: graph {row['graph']['ms_per_step']:.3f} ms/step, "
+              f"generate {row['generate']['ms_per_step']:.3f} ms/step, weights {weight_gib:.2f} GiB", flush=True)
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def add_speedups(rows: list) -> None:
+    base = {(r["batch"], how): r[how]["tokens_per_s"] for r in rows if r["format"] == "bf16"
+            for how in ("graph", "generate")}
+    for r in rows:
+        for how in ("graph", "generate"):
+            b = base.get((r["batch"], how))
+            r[how]["speedup_vs_bf16"] = r[how]["tokens_per_s"] / b if b else None
+
+
+def markdown(results: dict) -> str:
+    e, c = results["env"], results["config"]
+    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    lines = [
+        MARKERS[0], "", "## End-to-end decode (bench/e2e.py)", "",
+        f"{c['name']} (random weights, bf16 activations; {c['layers']} layers), decoder Linears quantized by "
+        f"`quantize_model` (lm_head and embeddings bf16). {e.get('gpu', 'CPU')}, torch {e['torch']}, transformers "
+        f"{e['transformers']}, {e['date'][:10]}. (a) transformers `generate`, static cache, compiled decode "
+        f"(`CompileConfig(fullgraph=True, mode=\"reduce-overhead\")`), {c['new_tokens']} new tokens after a "
+        f"{c['prompt']}-token prompt: step time from token arrival times; GPU time from a profile of the same call "
+        f"(kernel time / new tokens), host = step - GPU. (b) the whole decode step in one CUDA graph "
+        f"(`StaticDecoder`), {c['steps']} replays; weights: parameters + buffers resident; peak: allocated during (b).",
+        "",
+        "| format | batch | backend | weights GiB | (b) graph ms/step | (b) tok/s | (b) x bf16 | (a) generate ms/step "
+        "| (a) tok/s | (a) x bf16 | (a) GPU ms: linear / attn / other | (a) host ms | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        g, a = r["graph"], r["generate"]
+        gpu = " / ".join(f(a.get(f"{k}_ms_per_step")) for k in ("linear", "attention", "other"))
+        lines.append(f"| {r['format']} | {r['batch']} | {r['backend']} | {f(r['weight_gib'])} | {f(g['ms_per_step'], 3)} "
+                     f"| {f(g['tokens_per_s'], 0)} | {f(g['speedup_vs_bf16'])} | {f(a['ms_per_step'], 3)} "
+                     f"| {f(a['tokens_per_s'], 0)} | {f(a['speedup_vs_bf16'])} | {gpu} | {f(a.get('host_ms_per_step'))} "
+                     f"| {f(g.get('peak_gib'))} |")
+    mismatched = [f"{r['format']} b{r['batch']}" for r in results["rows"] if r["graph"]["tokens_equal_eager"] is False]
+    if mismatched:
+        lines += ["", f"Graph replay tokens differ from eager for: {', '.join(mismatched)}."]
+    lines += ["", MARKERS[1]]
+    return "\n".join(lines)
+
+
+def write_markdown_section(path: str, section: str) -> None:
+    text = open(path).read() if os.path.exists(path) else ""
+    if MARKERS[0] in text and MARKERS[1] in text:
+        head, rest = text.split(MARKERS[0], 1)
+        text = head + section + rest.split(MARKERS[1], 1)[1]
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens (a) / start position (b)")
+    p.add_argument("--new-tokens", type=int, default=64, help="(a): tokens generated per timed call")
+    p.add_argument("--steps", type=int, default=100, help="(b): timed graph replays")
+    p.add_argument("--tiny", action="store_true", help="a tiny config: checks the logic on any device")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="bench/results/e2e_h200.json")
+    p.add_argument("--markdown", default=None, help="write the results section into this file (BENCHMARKS.md)")
+    args = p.parse_args(argv)
+
+    config = dict(TINY if args.tiny else LLAMA3_8B)
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    rows = []
+    for fmt in args.formats:
+        rows += run_format(config, fmt, args.device, args.batches, args)
+    add_speedups(rows)
+    results = {"env": env(args.device),
+               "config": {"name": "tiny Llama" if args.tiny else "Llama-3-8B shape", "layers": config["num_hidden_layers"],
+                          "prompt": args.prompt, "new_tokens": args.new_tokens, "steps": args.steps,
+                          "llama_config": config},
+               "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=1)
+    section = markdown(results)
+    print(section)
+    if args.markdown:
+        write_markdown_section(args.markdown, section)
+    return results
+
+
+if __name__ == "__main__":
+    main()
