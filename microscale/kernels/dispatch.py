@@ -32,6 +32,7 @@ class Backend:
     prepare: Callable[[QTensor], Prepared]
     gemm: Callable[..., torch.Tensor]  # (x2d, data, scale, global_scale, bias, *, fmt, n, k, options) -> [M, N]
     options: frozenset = field(default_factory=frozenset)  # option names it honours (e.g. "activations")
+    requires: frozenset = field(default_factory=frozenset)  # options it cannot run without (W4A4 kernels)
 
 
 _BACKENDS: dict = {}
@@ -60,7 +61,8 @@ def get_backend(name: str) -> Backend:
 
 
 def select_backend(fmt, device, *, options: Optional[dict] = None, override: Optional[str] = None) -> Backend:
-    """First backend that runs on `device`, supports `fmt` and every given option."""
+    """First backend that runs on `device`, supports `fmt` and every given option, and needs no
+    option that was not given."""
     spec = get_format(fmt)
     device = torch.device(device)
     wanted = {k for k, v in (options or {}).items() if v is not None}
@@ -74,7 +76,7 @@ def select_backend(fmt, device, *, options: Optional[dict] = None, override: Opt
         return b
     # the reference runs everywhere: it is the fallback, tried after every kernel family
     for b in sorted(_BACKENDS.values(), key=lambda b: b.name == "reference"):
-        if spec.name in b.formats and wanted <= b.options and b.available(device):
+        if spec.name in b.formats and b.requires <= wanted <= b.options and b.available(device):
             return b
     raise ValueError(f"no backend runs {spec.name} with options {sorted(wanted)} on {device}")
 

@@ -101,4 +101,5 @@ BACKEND = register(Backend(
     prepare=prepare_weight,
     gemm=_gemm,
     options=frozenset({"activations"}),
+    requires=frozenset({"activations"}),
 ))

@@ -261,4 +261,5 @@ register(Backend(
     prepare=prepare_weight,
     gemm=_gemm,
     options=frozenset({"activations"}),
+    requires=frozenset({"activations"}),
 ))

@@ -394,6 +394,7 @@ BACKEND = register(Backend(
     prepare=prepare_weight,
     gemm=_gemm,
     options=frozenset({"activations"}),
+    requires=frozenset({"activations"}),
 ))
 
 
