@@ -7,3 +7,4 @@ on the device at hand (docs/dispatch.md has the table).
 from .dispatch import Backend, backends, linear, register, select_backend
 from . import sm100  # noqa: F401,E402  registers sm100-triton and sm100-cublas
 from .sm100 import tcgen05_backend  # noqa: F401,E402  registers sm100-nvrtc
+from . import sm90  # noqa: F401,E402  registers sm90

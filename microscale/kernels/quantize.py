@@ -26,10 +26,11 @@ from ..quant.reference import ACCEPTED_DTYPES, nvfp4_global_scale
 
 _SCALE_MODE_CODE = {ScaleMode.FLOOR: 0, ScaleMode.RCEIL: 1, ScaleMode.CEIL: 2, ScaleMode.EVEN: 3}
 
-# E2M1 rounding thresholds, derived from the one table of values: the midpoint between codes i and
-# i+1; at a tie the even code wins, so the boundary belongs to i+1 when i+1 is even.
-_MIDPOINTS = [(a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:])]
-T1, T2, T3, T4, T5, T6, T7 = (tl.constexpr(m) for m in _MIDPOINTS)
+# E2M1 grid: step 0.5 below 2, 1 below 4, 2 up to 6 (the values of codec.E2M1_VALUES). Adding
+# 1.5 * 2**(22 + j) to a float rounds it to a multiple of 2**(j - 1), to nearest even, in one IEEE
+# addition; the sum's bits minus the constant's bits count the steps.
+GRID_LOW, GRID_MID = tl.constexpr(E2M1_VALUES[4]), tl.constexpr(E2M1_VALUES[6])  # 2.0, 4.0
+ROUND_HALF, ROUND_ONE, ROUND_TWO = tl.constexpr(1.5 * 2**22), tl.constexpr(1.5 * 2**23), tl.constexpr(1.5 * 2**24)
 NVFP4_ZERO_SCALE = tl.constexpr(0.125)  # compressed-tensors replaces a zero block scale by this
 NVFP4_ZERO_SCALE_BITS = tl.constexpr(0x20)  # its E4M3 code
 ELEM_MAX_FP4 = tl.constexpr(E2M1_MAX)
@@ -39,10 +40,14 @@ BIAS = tl.constexpr(E8M0_BIAS)
 
 @triton.jit
 def _e2m1_codes(y):
-    """float32 -> E2M1 code (int32), RNE with saturation, sign bit for y < 0 (as codec.e2m1_encode)."""
+    """float32 with |y| <= 6 -> E2M1 code (int32), round to nearest even, sign bit for y < 0
+    (codec.e2m1_encode: also for values that round to zero)."""
     a = tl.abs(y)
-    mag = (a > T1).to(tl.int32) + (a >= T2).to(tl.int32) + (a > T3).to(tl.int32) + (a >= T4).to(tl.int32)
-    mag += (a > T5).to(tl.int32) + (a >= T6).to(tl.int32) + (a > T7).to(tl.int32)
+    low = a < GRID_LOW
+    mid = a < GRID_MID
+    c = tl.where(low, ROUND_HALF, tl.where(mid, ROUND_ONE, ROUND_TWO))
+    steps = (a + c).to(tl.int32, bitcast=True) - c.to(tl.int32, bitcast=True)
+    mag = steps + tl.where(low, 0, tl.where(mid, 2, 4))  # codes of 2.0 and 4.0 are 4 and 6
     return mag | ((y < 0).to(tl.int32) << 3)
 
 

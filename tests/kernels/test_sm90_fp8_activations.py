@@ -21,7 +21,8 @@ for m, k, kp in [(3, 40, 256), (5, 300, 512), (2, 20000, 20224)]:
     x[0] = 0  # a zero row
     q, s = quantize_rows_e4m3(x, kp)
     amax = x.float().abs().amax(1, keepdim=True)
-    want_s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    # true divisions: torch evaluates tensor / scalar on CUDA as a multiplication by the reciprocal
+    want_s = torch.where(amax > 0, amax / torch.full_like(amax, 448), torch.ones_like(amax))
     inv = torch.full_like(amax, 448) / torch.where(amax > 0, amax, torch.full_like(amax, 448))  # a true division
     want = (x.float() * inv).clamp(-448, 448)
     want = torch.nn.functional.pad(want, (0, kp - k)).to(torch.float8_e4m3fn)

@@ -1,7 +1,8 @@
 """Host side of the Hopper kernels: launch configuration and the three GEMM paths.
 
     decode_gemm    M <= 64: weights dequantized in registers into mma.sync (decode.py)
-    dequant_gemm   large M: dequantize into a bf16 workspace tile by tile, cuBLAS on each tile
+    dequant_gemm   large M: dequantize W into a workspace in x's dtype, then one cuBLAS GEMM (a
+                   chunk-wise variant through an L2-sized workspace measured slower: BENCHMARKS.md)
     fp8_gemm       large M, opt-in (MX formats): weights transcoded to E4M3 with a per-row power of
                    two (once per weight, cached), activations quantized per row to E4M3,
                    torch._scaled_mm (cuBLAS FP8)
