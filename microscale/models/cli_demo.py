@@ -15,8 +15,8 @@ from . import eval as ev
 
 FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 CAUSAL_LM_VARIANTS = ev.variants(FORMATS) + [ev.Variant("nvfp4", "nvfp4")]
-CPU_TOKENS = 2048
-CPU_NEW_TOKENS = 12
+CPU_TOKENS = 1024
+CPU_NEW_TOKENS = 8
 GPU_NEW_TOKENS = 32
 
 

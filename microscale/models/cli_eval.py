@@ -20,7 +20,7 @@ def add_arguments(parser):
     parser.add_argument("--window", type=int, default=1024, help="perplexity window (smollm2)")
     parser.add_argument("--stride", type=int, default=512, help="perplexity stride (smollm2)")
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated (smollm2)")
-    parser.add_argument("--sentences", type=int, default=128, help="summaries embedded (minilm)")
+    parser.add_argument("--sentences", type=int, default=64, help="summaries embedded (minilm)")
 
 
 def run(args):

@@ -277,7 +277,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_encoder(formats, activations: Optional[str] = None, *, device, n_sentences: int = 128, log=print) -> list:
+def run_encoder(formats, activations: Optional[str] = None, *, device, n_sentences: int = 64, log=print) -> list:
     """all-MiniLM-L6-v2 with every Linear quantized to each format; prints and returns the table rows."""
     model, tokenizer = load_minilm()
     sentences = wiki_articles(n_sentences)

@@ -31,8 +31,8 @@ from ..formats.spec import get_format
 from ..formats.tensor import QTensor, padded_k
 from .reference import check_weight, nvfp4_global_scale
 from .scale_search import (
-    decode_elements,
     encode_elements,
+    round_to_grid,
     rtn_block_scale,
     scale_multiplier,
     search_block_scales,
@@ -118,7 +118,9 @@ def gptq_quantize(
     U = _inverse_hessian_factor(H, damp)
     perm = perm.tolist()
 
-    codes = torch.empty(n, kp, dtype=torch.uint8, device=W.device)
+    # Each column is rounded in the loop by round_to_grid (cheap) and encoded after it, all at once, from
+    # the same updated values and multipliers: the same arithmetic as encoding column by column.
+    updated = torch.empty(n, kp, device=W.device)
     scale = torch.empty(n, kp // b, dtype=torch.uint8, device=W.device)
     for i1 in range(0, kp, lazy_batch):
         i2 = min(i1 + lazy_batch, kp)
@@ -135,16 +137,20 @@ def gptq_quantize(
                     s = rtn_block_scale(x, spec, g, scale_mode)[:, 0]
                 mult = scale_multiplier(s, spec, g)
                 scale[:, col // b] = s.view(torch.uint8)
-            c = encode_elements(W1[:, i] / mult, spec)
-            codes[:, col] = c.view(torch.uint8)
-            err = (W1[:, i] - decode_elements(c, spec) * mult) / U1[i, i]
+            w_col = W1[:, i]
+            updated[:, col] = w_col
+            y = w_col / mult
+            q = torch.copysign(round_to_grid(y.abs(), spec), y) * mult
+            err = (w_col - q) / U1[i, i]
             W1[:, i:] -= err[:, None] * U1[i, i:]
             E1[:, i] = err
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
 
-    data = pack_fp4(codes) if spec.packed else codes.view(spec.data_dtype)
-    q = QTensor(data=data, scale=scale.view(spec.scale_dtype), fmt=spec, shape=(n, k), global_scale=g,
-                orig_dtype=w.dtype)
+    scale = scale.view(spec.scale_dtype)
+    y = updated.view(n, -1, b) / scale_multiplier(scale, spec, g)[..., None]
+    codes = encode_elements(y, spec).view(n, kp)
+    data = pack_fp4(codes) if spec.packed else codes
+    q = QTensor(data=data, scale=scale, fmt=spec, shape=(n, k), global_scale=g, orig_dtype=w.dtype)
     return q.with_scale_layout(scale_layout)
 
 

@@ -89,31 +89,30 @@ def rtn_block_scale(x, spec, global_scale=None, scale_mode=ScaleMode.RCEIL):
 
 
 def _candidates(x, spec, rtn):
-    """Candidate block scales (stored encoding), RTN first."""
+    """Candidate block scales [C, ..., nb] (stored encoding), RTN first."""
     if spec.global_scale:
         code = rtn.view(torch.uint8).to(torch.int16)
-        steps = [(code + s).clamp(1, E4M3_MAX_CODE).to(torch.uint8).view(torch.float8_e4m3fn) for s in NVFP4_SCALE_STEPS]
-        return [rtn] + steps
+        steps = torch.tensor((0,) + NVFP4_SCALE_STEPS, dtype=torch.int16, device=x.device)
+        steps = steps.view(-1, *([1] * code.dim()))
+        return (code + steps).clamp(1, E4M3_MAX_CODE).to(torch.uint8).view(torch.float8_e4m3fn)
     amax = x.abs().amax(-1)
     floor, rceil = (e8m0_from_amax(amax, spec, m).to(torch.int16) for m in (ScaleMode.FLOOR, ScaleMode.RCEIL))
     lo, hi = torch.minimum(floor, rceil), torch.maximum(floor, rceil)
-    return [rtn] + [b.clamp(0, 254).to(torch.uint8) for b in (floor, rceil, lo - 1, hi + 1)]
+    return torch.stack([rtn.to(torch.int16), floor, rceil, lo - 1, hi + 1]).clamp(0, 254).to(torch.uint8)
 
 
 def search_block_scales(x, spec, global_scale=None, *, importance=None, scale_mode=ScaleMode.RCEIL):
     """Per block of x [..., nb, block], the candidate scale with the least (importance-weighted) error.
 
-    Returns (scales, errors): scales in the stored encoding [..., nb], errors float32 [..., nb].
+    All candidates are scored in one vectorized pass. Returns (scales, errors): scales in the stored
+    encoding [..., nb], errors float32 [..., nb].
     """
     rtn = rtn_block_scale(x, spec, global_scale, scale_mode)
-    x_abs = x.abs()
-    best, best_err = rtn, block_error(x_abs, scale_multiplier(rtn, spec, global_scale), spec, importance)
-    for cand in _candidates(x, spec, rtn)[1:]:
-        err = block_error(x_abs, scale_multiplier(cand, spec, global_scale), spec, importance)
-        better = err < best_err
-        best = torch.where(better, cand.view(torch.uint8), best.view(torch.uint8)).view(rtn.dtype)
-        best_err = torch.where(better, err, best_err)
-    return best, best_err
+    cands = _candidates(x, spec, rtn)
+    err = block_error(x.abs(), scale_multiplier(cands, spec, global_scale), spec, importance)
+    best = err.argmin(0, keepdim=True)  # the first minimum: RTN wins ties
+    scale = cands.view(torch.uint8).gather(0, best)[0].view(rtn.dtype)
+    return scale, err.gather(0, best)[0]
 
 
 def _importance_blocks(importance, k, block, device):
