@@ -1,4 +1,6 @@
-"""SmolLM2-135M perplexity per format x weight-quantization method: the table in ACCURACY.md.
+"""Model quality per format x weight-quantization method: the tables in ACCURACY.md.
+
+SmolLM2-135M: perplexity. all-MiniLM-L6-v2 (--model minilm): sentence-embedding agreement with float32.
 
 Weights only (activations stay float32): every decoder Linear is quantized (lm_head is tied to the
 embedding and stays float32), fused q/k/v and gate/up share one NVFP4 global scale. The quantized
@@ -9,6 +11,10 @@ evaluation text (quant/calibration.py).
 
     PYTHONPATH=. .venv/bin/python bench/accuracy.py               # all rows, CPU: slow (an hour+)
     PYTHONPATH=. .venv/bin/python bench/accuracy.py --table       # the markdown table of the JSON
+    PYTHONPATH=. .venv/bin/python bench/accuracy.py --model minilm [--table]
+
+MiniLM: the 36 encoder Linears are quantized (the pooler is unused by mean pooling); the inputs are
+the first 128 wiki summaries (eval.run_encoder's), GPTQ calibrates on 64 x 128 tokens of other ones.
 
 Each finished row is appended to the JSON at once, so a run cut short keeps what it measured, and a
 rerun skips rows already there.
@@ -25,7 +31,15 @@ import torch
 from torch import nn
 
 from microscale.formats.spec import get_format
-from microscale.models.eval import load_smollm2, perplexity, wiki_text
+from microscale.models.eval import (
+    embedding_agreement,
+    load_minilm,
+    load_smollm2,
+    perplexity,
+    sentence_embeddings,
+    wiki_articles,
+    wiki_text,
+)
 from microscale.models.quantize_model import FUSED_PROJECTIONS
 from microscale.quant.calibration import CALIBRATION_ARTICLES, calibration_ids
 from microscale.quant.methods import effective_weight, quantize_weights
@@ -37,11 +51,11 @@ METHODS = {
     "gptq": ("gptq", False),
     "gptq+rot": ("gptq", True),
 }
-DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "accuracy_smollm2.json")
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
-def decoder_linears(model) -> dict:
-    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith("model.layers.")}
+def layer_linears(model, prefix: str) -> dict:
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith(prefix)}
 
 
 def fused_groups(names) -> list:
@@ -77,58 +91,84 @@ def save_rows(path, rows, meta):
 
 
 def markdown_table(rows) -> str:
-    base = next(r["ppl"] for r in rows if r["format"] == "float32")
-    lines = ["| format | method | perplexity | vs float32 | weight SQNR dB | quantization s |",
-             "|---|---|---:|---:|---:|---:|"]
+    base = next(r for r in rows if r["format"] == "float32")
+    minilm = "cos_mean" in base
+    metric = "embedding cosine mean | cosine min | pair rank corr" if minilm else "perplexity | vs float32"
+    lines = [f"| format | method | {metric} | weight SQNR dB | quantization s |",
+             "|---|---|" + "---:|" * (5 if minilm else 4)]
     for r in rows:
-        if r["format"] == "float32":
-            lines.append(f"| float32 | - | {r['ppl']:.3f} | - | - | - |")
-            continue
-        lines.append(f"| {r['format']} | {r['method']} | {r['ppl']:.3f} | {100 * (r['ppl'] / base - 1):+.1f}% | "
-                     f"{r['sqnr_db']:.2f} | {r['seconds']:.0f} |")
+        if minilm:
+            cells = f"{r['cos_mean']:.5f} | {r['cos_min']:.5f} | {r['spearman']:.4f}"
+        else:
+            cells = f"{r['ppl']:.3f} | " + ("-" if r is base else f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%")
+        if r is base:
+            lines.append(f"| float32 | - | {cells} | - | - |")
+        else:
+            lines.append(f"| {r['format']} | {r['method']} | {cells} | {r['sqnr_db']:.2f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
+
+
+def load_model(name, n_calib, calib_len, device):
+    """(model on device, selected Linears, metric(model) -> dict, calibration ids, description)."""
+    if name == "smollm2":
+        model, tokenizer = load_smollm2()
+        model.to(device)
+        ids = tokenizer(wiki_text(200), return_tensors="pt").input_ids[0][:8192]
+
+        def metric(m):
+            ppl, scored = perplexity(m, ids)
+            return {"ppl": ppl, "tokens": scored}
+
+        text = f"perplexity over the first {ids.numel()} tokens of wiki-200, window 1024, stride 512"
+        return model, layer_linears(model, "model.layers."), metric, calibration_ids(tokenizer, n_calib, calib_len), text
+    model, tokenizer = load_minilm()
+    model.to(device)
+    sentences = wiki_articles(128)
+    ref = sentence_embeddings(model, tokenizer, sentences)
+
+    def metric(m):
+        return embedding_agreement(ref, sentence_embeddings(m, tokenizer, sentences))
+
+    text = "embeddings of the first 128 wiki summaries vs float32's"
+    return model, layer_linears(model, "encoder."), metric, calibration_ids(tokenizer, n_calib, calib_len), text
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["smollm2", "minilm"], default="smollm2")
     p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "mxfp8"])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--tokens", type=int, default=8192, help="first tokens of wiki-200 scored")
-    p.add_argument("--calib-samples", type=int, default=64)
-    p.add_argument("--calib-len", type=int, default=512)
+    p.add_argument("--calib-samples", type=int, default=None, help="default 32 (smollm2), 64 (minilm)")
+    p.add_argument("--calib-len", type=int, default=None, help="default 512 (smollm2), 128 (minilm)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--out", default=None, help="default bench/results/accuracy_<model>.json")
     p.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
     args = p.parse_args()
+    out = args.out or os.path.join(RESULTS, f"accuracy_{args.model}.json")
     if args.table:
-        print(markdown_table(load_rows(args.out)))
+        print(markdown_table(load_rows(out)))
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n_calib = args.calib_samples or (32 if args.model == "smollm2" else 64)
+    calib_len = args.calib_len or (512 if args.model == "smollm2" else 128)
 
-    model, tokenizer = load_smollm2()
-    model.to(device)
-    ids = tokenizer(wiki_text(200), return_tensors="pt").input_ids[0][: args.tokens]
-    calib = calibration_ids(tokenizer, args.calib_samples, args.calib_len)
-    meta = {"model": "SmolLM2-135M-Instruct", "text": f"first {ids.numel()} tokens of wiki-200",
-            "window": 1024, "stride": 512, "device": device, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "calibration": f"{args.calib_samples} x {args.calib_len} tokens of wiki articles "
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, selected, metric, calib, text = load_model(args.model, n_calib, calib_len, device)
+    meta = {"model": args.model, "metric": text, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(), "device": device,
+            "calibration": f"{n_calib} x {calib_len} tokens of wiki articles "
                            f"{CALIBRATION_ARTICLES[0]}-{CALIBRATION_ARTICLES[1] - 1} (sorted by title)"}
-    rows = load_rows(args.out)
+    rows = load_rows(out)
     done = {(r["format"], r["method"]) for r in rows}
-    selected = decoder_linears(model)
     originals = {n: m.weight.detach().clone() for n, m in selected.items()}
     groups = fused_groups(selected)
 
     if ("float32", "-") not in done:
         t0 = time.perf_counter()
-        ppl, scored = perplexity(model, ids)
-        rows.append({"format": "float32", "method": "-", "ppl": ppl, "tokens": scored,
-                     "eval_seconds": time.perf_counter() - t0})
-        save_rows(args.out, rows, meta)
-        print(f"float32: perplexity {ppl:.3f} over {scored} tokens", flush=True)
+        rows.append({"format": "float32", "method": "-", **metric(model), "eval_seconds": time.perf_counter() - t0})
+        save_rows(out, rows, meta)
+        print(f"float32: {rows[-1]}", flush=True)
 
     for fmt in args.formats:
         spec = get_format(fmt)
@@ -142,19 +182,18 @@ def main():
                                         calibration=calib if method == "gptq" else None,
                                         rotation_block=rotation_block)
             seconds = time.perf_counter() - t0
-            effective = {n: effective_weight(q, rotation_block).to(device) for n, q in qtensors.items()}
+            effective = {n: effective_weight(q, rotation_block) for n, q in qtensors.items()}
             for n, m in selected.items():
                 m.weight.data = effective[n]
             t1 = time.perf_counter()
-            ppl, scored = perplexity(model, ids)
+            row = {"format": spec.name, "method": label, **metric(model),
+                   "sqnr_db": weight_sqnr_db(originals, effective), "seconds": seconds}
+            row["eval_seconds"] = time.perf_counter() - t1
             for n, m in selected.items():
                 m.weight.data = originals[n]
-            rows.append({"format": spec.name, "method": label, "ppl": ppl, "tokens": scored,
-                         "sqnr_db": weight_sqnr_db(originals, effective), "seconds": seconds,
-                         "eval_seconds": time.perf_counter() - t1})
-            save_rows(args.out, rows, meta)
-            print(f"{spec.name} {label}: perplexity {ppl:.3f}, weight SQNR {rows[-1]['sqnr_db']:.2f} dB, "
-                  f"quantized in {seconds:.0f} s", flush=True)
+            rows.append(row)
+            save_rows(out, rows, meta)
+            print(f"{spec.name} {label}: {row}", flush=True)
     print(markdown_table(rows))
 
 
