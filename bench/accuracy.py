@@ -44,13 +44,16 @@ from microscale.models.quantize_model import FUSED_PROJECTIONS
 from microscale.quant.calibration import CALIBRATION_ARTICLES, calibration_ids
 from microscale.quant.methods import effective_weight, quantize_weights
 
-# (label, method, rotation): rotation = the format's block when True
+# label: (method, rotated (by the format's block), GPTQ options)
 METHODS = {
-    "rtn": ("rtn", False),
-    "search": ("search", False),
-    "gptq": ("gptq", False),
-    "gptq+rot": ("gptq", True),
+    "rtn": ("rtn", False, {}),
+    "search": ("search", False, {}),
+    "gptq": ("gptq", False, {}),
+    "gptq+rot": ("gptq", True, {}),
+    "gptq (rtn scales)": ("gptq", False, {"scales": "rtn"}),
+    "gptq+rot (rtn scales)": ("gptq", True, {"scales": "rtn"}),
 }
+DEFAULT_METHODS = ("rtn", "search", "gptq", "gptq+rot")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
@@ -120,7 +123,8 @@ def load_model(name, n_calib, calib_len, device):
             return {"ppl": ppl, "tokens": scored}
 
         text = f"perplexity over the first {ids.numel()} tokens of wiki-200, window 1024, stride 512"
-        return model, layer_linears(model, "model.layers."), metric, calibration_ids(tokenizer, n_calib, calib_len), text
+        calib = calibration_ids(tokenizer, n_calib, calib_len)
+        return model, layer_linears(model, "model.layers."), metric, calib, text
     model, tokenizer = load_minilm()
     model.to(device)
     sentences = wiki_articles(128)
@@ -137,7 +141,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["smollm2", "minilm"], default="smollm2")
     p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "mxfp8"])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     p.add_argument("--calib-samples", type=int, default=None, help="default 32 (smollm2), 64 (minilm)")
     p.add_argument("--calib-len", type=int, default=None, help="default 512 (smollm2), 128 (minilm)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -175,12 +179,12 @@ def main():
         for label in args.methods:
             if (spec.name, label) in done:
                 continue
-            method, rotated = METHODS[label]
+            method, rotated, options = METHODS[label]
             rotation_block = spec.block if rotated else None
             t0 = time.perf_counter()
             qtensors = quantize_weights(model, selected, spec, method=method, fused_groups=groups,
                                         calibration=calib if method == "gptq" else None,
-                                        rotation_block=rotation_block)
+                                        rotation_block=rotation_block, **options)
             seconds = time.perf_counter() - t0
             effective = {n: effective_weight(q, rotation_block) for n, q in qtensors.items()}
             for n, m in selected.items():

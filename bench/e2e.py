@@ -25,6 +25,7 @@ between the E2E markers of that file (appended when absent).
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 FORMATS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
+WAYS = ("graph", "generate")
 LINEAR_KERNEL_MARKS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul", "dequant", "_mm_")
 ATTENTION_KERNEL_MARKS = ("flash", "fmha", "attention", "sdpa", "attn")
 MARKERS = ("<!-- e2e:begin (bench/e2e.py writes this section) -->", "<!-- e2e:end -->")
@@ -271,15 +273,22 @@ def run_format(config, fmt, device, batches, args) -> list:
     for batch in batches:
         row = {"format": fmt, "batch": batch, "backend": ",".join(backends), "weight_gib": weight_gib,
                "quantized_linear_gib": report.bytes_after / 2**30 if report else None}
-        row["graph"] = measure_graph_decode(model, batch, args.prompt, args.steps)
-        row["generate"] = measure_generate(model, batch, args.prompt, args.new_tokens,
-                                           compile_decode=torch.device(device).type == "cuda")
-        for how in ("graph", "generate"):
+        if "graph" in args.ways:
+            row["graph"] = measure_graph_decode(model, batch, args.prompt, args.steps)
+        if "generate" in args.ways:
+            row["generate"] = measure_generate(model, batch, args.prompt, args.new_tokens,
+                                               compile_decode=torch.device(device).type == "cuda")
+        for how in args.ways:
             row[how]["tokens_per_s"] = batch * 1e3 / row[how]["ms_per_step"]
         rows.append(row)
-        print(f"{fmt:6s} batch {batch:3d}: graph {row['graph']['ms_per_step']:.3f} ms/step, "
-              f"generate {row['generate']['ms_per_step']:.3f} ms/step, weights {weight_gib:.2f} GiB", flush=True)
+        print(f"{fmt:6s} batch {batch:3d}: " + ", ".join(f"{how} {row[how]['ms_per_step']:.3f} ms/step"
+                                                          for how in args.ways) + f", weights {weight_gib:.2f} GiB",
+              flush=True)
     del model
+    # Compiled code and CUDA-graph pools of this format's generate outlive the model; drop them so
+    # the next format's memory figures are its own.
+    torch.compiler.reset()
+    gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -287,11 +296,12 @@ def run_format(config, fmt, device, batches, args) -> list:
 
 def add_speedups(rows: list) -> None:
     base = {(r["batch"], how): r[how]["tokens_per_s"] for r in rows if r["format"] == "bf16"
-            for how in ("graph", "generate")}
+            for how in WAYS if how in r}
     for r in rows:
-        for how in ("graph", "generate"):
-            b = base.get((r["batch"], how))
-            r[how]["speedup_vs_bf16"] = r[how]["tokens_per_s"] / b if b else None
+        for how in WAYS:
+            if how in r:
+                b = base.get((r["batch"], how))
+                r[how]["speedup_vs_bf16"] = r[how]["tokens_per_s"] / b if b else None
 
 
 def markdown(results: dict) -> str:
@@ -307,18 +317,20 @@ def markdown(results: dict) -> str:
         f"(kernel time / new tokens), host = step - GPU. (b) the whole decode step in one CUDA graph "
         f"(`StaticDecoder`), {c['steps']} replays; weights: parameters + buffers resident; peak: allocated during (b).",
         "",
-        "| format | batch | backend | weights GiB | (b) graph ms/step | (b) tok/s | (b) x bf16 | (a) generate ms/step "
+        "| format | batch | backend | weights GiB (Linears in format) | (b) graph ms/step | (b) tok/s | (b) x bf16 | (a) generate ms/step "
         "| (a) tok/s | (a) x bf16 | (a) GPU ms: linear / attn / other | (a) host ms | peak GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
-        g, a = r["graph"], r["generate"]
+        g, a = r.get("graph", {}), r.get("generate", {})
         gpu = " / ".join(f(a.get(f"{k}_ms_per_step")) for k in ("linear", "attention", "other"))
-        lines.append(f"| {r['format']} | {r['batch']} | {r['backend']} | {f(r['weight_gib'])} | {f(g['ms_per_step'], 3)} "
-                     f"| {f(g['tokens_per_s'], 0)} | {f(g['speedup_vs_bf16'])} | {f(a['ms_per_step'], 3)} "
-                     f"| {f(a['tokens_per_s'], 0)} | {f(a['speedup_vs_bf16'])} | {gpu} | {f(a.get('host_ms_per_step'))} "
-                     f"| {f(g.get('peak_gib'))} |")
-    mismatched = [f"{r['format']} b{r['batch']}" for r in results["rows"] if r["graph"]["tokens_equal_eager"] is False]
+        lines.append(f"| {r['format']} | {r['batch']} | {r['backend']} | {f(r['weight_gib'])} "
+                     f"({f(r['quantized_linear_gib'])}) "
+                     f"| {f(g.get('ms_per_step'), 3)} | {f(g.get('tokens_per_s'), 0)} | {f(g.get('speedup_vs_bf16'))} "
+                     f"| {f(a.get('ms_per_step'), 3)} | {f(a.get('tokens_per_s'), 0)} | {f(a.get('speedup_vs_bf16'))} "
+                     f"| {gpu} | {f(a.get('host_ms_per_step'))} | {f(g.get('peak_gib'))} |")
+    mismatched = [f"{r['format']} b{r['batch']}" for r in results["rows"]
+                  if r.get("graph", {}).get("tokens_equal_eager") is False]
     if mismatched:
         lines += ["", f"Graph replay tokens differ from eager for: {', '.join(mismatched)}."]
     lines += ["", MARKERS[1]]
@@ -342,6 +354,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS, help="(b) graph and/or (a) generate")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens (a) / start position (b)")
     p.add_argument("--new-tokens", type=int, default=64, help="(a): tokens generated per timed call")
@@ -352,6 +365,8 @@ def main(argv=None):
     p.add_argument("--markdown", default=None, help="write the results section into this file (BENCHMARKS.md)")
     args = p.parse_args(argv)
 
+    if torch.device(args.device).type == "cuda":
+        torch._logging.set_logs(perf_hints=True)  # e.g. why Inductor skipped CUDA graphs in (a)
     config = dict(TINY if args.tiny else LLAMA3_8B)
     if args.layers:
         config["num_hidden_layers"] = args.layers
@@ -361,7 +376,7 @@ def main(argv=None):
     add_speedups(rows)
     results = {"env": env(args.device),
                "config": {"name": "tiny Llama" if args.tiny else "Llama-3-8B shape", "layers": config["num_hidden_layers"],
-                          "prompt": args.prompt, "new_tokens": args.new_tokens, "steps": args.steps,
+                          "prompt": args.prompt, "new_tokens": args.new_tokens, "steps": args.steps, "ways": args.ways,
                           "llama_config": config},
                "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

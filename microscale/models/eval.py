@@ -179,7 +179,7 @@ def variants(formats, activations: Optional[str] = None) -> list:
     return [Variant()] + [Variant(get_format(f).name, activations) for f in formats]
 
 
-def _quantized_copy(base, variant: Variant, device):
+def quantized_copy(base, variant: Variant, device):
     model = copy.deepcopy(base).to(device)
     report = None
     if variant.fmt is not None:
@@ -207,7 +207,7 @@ def evaluate_causal_lm(base, tokenizer, variant_list: list, input_ids: torch.Ten
     rows, reports = [], []
     for v in variant_list:
         t0 = time.perf_counter()
-        model, report = _quantized_copy(base, v, device)
+        model, report = quantized_copy(base, v, device)
         ppl, scored = perplexity(model, input_ids, window=window, stride=stride)
         text = greedy_continuation(model, tokenizer, prompt, new_tokens)
         rows.append({"variant": v.label, "backend": _backends(model), "ppl": ppl, "tokens": scored,
@@ -227,7 +227,7 @@ def evaluate_encoder(base, tokenizer, variant_list: list, sentences: list, *, de
     ref_weights = {n: m.weight.detach().clone() for n, m in base.named_modules() if type(m) is torch.nn.Linear}
     rows, reports, ref_emb = [], [], None
     for v in variant_list:
-        model, report = _quantized_copy(base, v, device)
+        model, report = quantized_copy(base, v, device)
         emb = sentence_embeddings(model, tokenizer, sentences)
         ref_emb = emb if ref_emb is None else ref_emb
         row = {"variant": v.label, "backend": _backends(model)}

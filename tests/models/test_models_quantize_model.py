@@ -169,6 +169,8 @@ def test_errors():
         quantize_model(tiny_llama(), "nvfp4", activations="int8", progress=False)
     with pytest.raises(TypeError, match="include names 'conv', a Conv1d"):
         quantize_model(Mixed(), "nvfp4", include=["conv", "ragged"], progress=False)
+    with pytest.raises(ValueError, match="include pattern 'q_projj' matches no module"):
+        quantize_model(tiny_llama(), "nvfp4", include=["q_projj"], progress=False)
     with pytest.raises(TypeError, match="the model is itself an nn.Linear"):
         quantize_model(nn.Linear(32, 32), "nvfp4", progress=False)
 

@@ -56,7 +56,8 @@ def test_gptq_beats_rtn_on_synthetic_outlier_layers(fmt, seed):
     rtn = gptq.output_error(w, ms.quantize(w, fmt).dequantize(), h)
     for scales in ("rtn", "search"):
         for act_order in (False, True):
-            err = gptq.output_error(w, gptq.gptq_quantize(w, h, fmt, scales=scales, act_order=act_order).dequantize(), h)
+            q = gptq.gptq_quantize(w, h, fmt, scales=scales, act_order=act_order)
+            err = gptq.output_error(w, q.dequantize(), h)
             assert err < 0.7 * rtn, (scales, act_order)
 
 
@@ -197,3 +198,15 @@ def test_gptq_model_embeddings_are_closer_to_float_than_rtn(minilm, minilm_calib
             m.weight.data = originals[n]
     assert cosines["gptq"] > cosines["rtn"]
     assert 1 - cosines["gptq"] < 0.9 * (1 - cosines["rtn"])
+
+
+def test_calibration_text_is_never_evaluation_text():
+    from microscale.models.eval import wiki_articles
+    from microscale.quant.calibration import CALIBRATION_ARTICLES, calibration_text
+
+    first, last = CALIBRATION_ARTICLES
+    articles = wiki_articles(last)
+    calib = calibration_text()
+    assert calib.startswith(articles[first]) and calib.endswith(articles[last - 1])
+    assert first >= 1000  # every wiki-N evaluation (N <= 1000) comes before it
+    assert not any(a in calib for a in articles[:200] if len(a) > 200)
