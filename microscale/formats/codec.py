@@ -110,7 +110,8 @@ def e8m0_from_amax(amax: torch.Tensor, spec: FormatSpec, mode=ScaleMode.RCEIL) -
         bits = amax.view(torch.int32) + (1 << (22 - spec.elem_mbits))
         v = (bits & 0x7F800000).view(torch.float32)
     if mode is ScaleMode.RCEIL:
-        _, e = _floor_ceil_log2(v / spec.elem_max)
+        # a tensor divisor: CUDA divides by a Python scalar through its rounded reciprocal
+        _, e = _floor_ceil_log2(v / torch.full_like(v, spec.elem_max))
     else:
         floor, ceil = _floor_ceil_log2(v)
         e = (ceil if mode is ScaleMode.CEIL else floor) - spec.elem_emax

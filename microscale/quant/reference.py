@@ -43,17 +43,23 @@ def _blocks(w: torch.Tensor, block: int) -> torch.Tensor:
     return w.reshape(n, kp // block, block)
 
 
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c, correctly rounded on every device: CUDA turns a division by a Python scalar into a
+    multiplication by its (rounded) reciprocal, which can differ by 1 ulp and flip a rounding tie."""
+    return x / torch.full_like(x, c)
+
+
 def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' encode global scale 448*6/amax, as float32 0-d; 1.0 when not finite."""
     amax = w.abs().amax().float()
-    # a true division: torch evaluates `scalar / tensor` as scalar * reciprocal, which can differ by 1 ulp
+    # not `2688 / amax`: torch evaluates `scalar / tensor` as scalar * reciprocal(tensor)
     g = torch.full_like(amax, NVFP4_GLOBAL_NUMERATOR) / amax
     return torch.where(torch.isfinite(g), g, torch.ones_like(g))
 
 
 def _nvfp4_compressed_tensors(x, amax_blk, g):
     """Block scale = e4m3((amax/6) * g), 0 -> 0.125; elements = x / (scale / g)."""
-    s = e4m3_encode((amax_blk / E2M1_MAX) * g)
+    s = e4m3_encode(_div(amax_blk, E2M1_MAX) * g)
     s = torch.where(s.float() == 0, torch.full_like(s, 0.125), s)
     y = x / (s.float() / g)[..., None]
     return s, y
@@ -70,7 +76,7 @@ def _nvfp4_modelopt(x, amax_blk, d):
 
 def _nvfp4_torchao(x, amax_blk, d):
     """torchao: d = per_tensor_scale; block scale clamp((amax/6)/d, 2^-6, 448); x * ((1/d)/s)."""
-    s = e4m3_encode(((amax_blk / E2M1_MAX) / d).clamp(2.0**-6, E4M3_MAX))
+    s = e4m3_encode((_div(amax_blk, E2M1_MAX) / d).clamp(2.0**-6, E4M3_MAX))
     y = x * ((1.0 / d) / s.float())[..., None]
     return s, y
 
@@ -98,7 +104,7 @@ def _nvfp4_recipe_global(w, recipe, global_scale):
         return g if encode else 1.0 / g
     if encode:
         return nvfp4_global_scale(w)
-    d = w.abs().amax().float() / NVFP4_GLOBAL_NUMERATOR
+    d = _div(w.abs().amax().float(), NVFP4_GLOBAL_NUMERATOR)
     # zero, or so small that its reciprocal (the encode scale we store) overflows: use 1.0
     return torch.where(torch.isfinite(1.0 / d), d, torch.ones_like(d))
 

@@ -13,6 +13,10 @@ from microscale.formats import ScaleMode
 def test_reference_quantize_cuda_equals_cpu(fmt, dtype, seed):
     x = (torch.randn(300, 1000) * torch.exp2(torch.randint(-20, 20, (300, 1)).float())).to(dtype)
     x[:, :64] = 0
+    # exact powers of two times the element maximum: where a reciprocal-multiply division would
+    # round a shared exponent or a block scale differently
+    x[:64, 64] = (6.0 * torch.exp2(torch.arange(-32, 32).float())).to(dtype)
+    x[64:128, 96] = (448.0 * torch.exp2(torch.arange(-32, 32).float())).to(dtype)
     modes = [None] if fmt == "nvfp4" else list(ScaleMode)
     for mode in modes:
         kw = {} if mode is None else {"scale_mode": mode}
