@@ -35,10 +35,17 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 code (uint8, low 4 bits used) -> float32."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 0x7).long()]
-    return torch.where((codes & 0x8) != 0, -mag, mag)
+    """E2M1 code (uint8, low 4 bits used) -> float32.
+
+    Built from float32 bits rather than a lookup table, so it allocates nothing on the host
+    and can run inside CUDA-graph capture: exponent field e > 0 is (1 + m/2) * 2**(e-1),
+    e = 0 is the subnormal m * 0.5.
+    """
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 0x3, c & 0x1
+    normal = ((e + 126) << 23) | (m << 22)
+    bits = torch.where(e > 0, normal, m * 0x3F000000) | ((c & 0x8) << 28)
+    return bits.view(torch.float32)
 
 
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
