@@ -4,5 +4,6 @@ from .formats import FORMATS, MXFP4, MXFP8, NVFP4, QTensor, ScaleMode, get_forma
 from .quant import dequantize, quantize
 from .models.linear import FP4Linear, FP8Linear
 from .models.quantize_model import quantize_model
+from .models.serialization import load_quantized, save_quantized
 
 __version__ = "0.1.0"

@@ -40,7 +40,7 @@ from ..formats.codec import ScaleMode
 from ..formats.spec import FORMATS, get_format
 from ..formats.tensor import padded_k
 from ..quant import nvfp4_global_scale, quantize
-from .quantize_model import DEFAULT_EXCLUDE, FUSED_PROJECTIONS, _matches
+from .quantize_model import DEFAULT_EXCLUDE, FUSED_PROJECTIONS, matches_pattern
 from .serialization import side_file_names
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -76,7 +76,7 @@ def _select(plan, spec, exclude) -> tuple:
         module, _, leaf = name.rpartition(".")
         if leaf != "weight" or len(info.shape) != 2:
             continue
-        pattern = next((p for p in exclude if _matches(module, (p,))), None)
+        pattern = next((p for p in exclude if matches_pattern(module, (p,))), None)
         if pattern:
             skipped[module] = f"excluded by {pattern!r}"
         elif info.dtype not in FLOAT_DTYPES:

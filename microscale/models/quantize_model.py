@@ -104,7 +104,7 @@ def model_bytes(model: nn.Module) -> int:
     return total
 
 
-def _matches(name: str, patterns: Iterable[str]) -> bool:
+def matches_pattern(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p) for p in patterns)
 
 
@@ -134,7 +134,7 @@ def _check_includes(model: nn.Module, include) -> None:
     """Every include entry must match a module; one without wildcards must name nn.Linear layers."""
     names = [(name, module) for name, module in model.named_modules() if name]
     for pattern in include:
-        hits = [(name, module) for name, module in names if _matches(name, (pattern,))]
+        hits = [(name, module) for name, module in names if matches_pattern(name, (pattern,))]
         if not hits:
             raise ValueError(f"quantize_model: include pattern {pattern!r} matches no module")
         if any(c in pattern for c in "*?["):
@@ -188,9 +188,9 @@ def quantize_model(model: nn.Module, fmt, *, include: Optional[Iterable[str]] = 
 
     selected = {}
     for name, module in model.named_modules():
-        if not name or not _is_weight_layer(module) or (include is not None and not _matches(name, include)):
+        if not name or not _is_weight_layer(module) or (include is not None and not matches_pattern(name, include)):
             continue
-        pattern = next((p for p in exclude if _matches(name, (p,))), None)
+        pattern = next((p for p in exclude if matches_pattern(name, (p,))), None)
         reason = f"excluded by {pattern!r}" if pattern else _skip_reason(module, spec.block, embedding_weights)
         if reason:
             report.skipped.append((name, reason))
