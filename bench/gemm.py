@@ -274,8 +274,15 @@ def write_table(results: dict, path="BENCHMARKS.md"):
             lines.append(f"| {r['format']} | {r['global_scale']} | {r['us']:.1f} | {r['tbps']:.2f} | {r['of_copy']:.0%} |")
     if results.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
+    # keep the end-to-end section that bench/e2e.py owns (between its markers)
+    kept = ""
+    if os.path.exists(path):
+        old = open(path).read()
+        begin = old.find("<!-- e2e:begin")
+        if begin >= 0:
+            kept = "\n" + old[begin:]
     with open(path, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+        fh.write("\n".join(lines) + "\n" + kept)
 
 
 def plot(results: dict, path: str):

@@ -57,7 +57,7 @@ def linear(
     b = get_backend(backend)
     options = {}
     if activations is not None:
-        if "activations" in b.options:
+        if "activations" in b.options and activations == fmt:
             options["activations"] = activations
         else:
             x = quantize_dequantize_activations(x, activations)
