@@ -22,7 +22,7 @@ from ..formats.codec import E2M1_VALUES, ScaleMode
 from ..formats.scale_layout import swizzled_scale_shape
 from ..formats.spec import E2M1_MAX, E4M3_MAX, E8M0_BIAS, get_format
 from ..formats.tensor import QTensor, padded_k
-from ..quant.reference import ACCEPTED_DTYPES, nvfp4_global_scale
+from ..quant.reference import check_weight, nvfp4_global_scale
 
 _SCALE_MODE_CODE = {ScaleMode.FLOOR: 0, ScaleMode.RCEIL: 1, ScaleMode.CEIL: 2, ScaleMode.EVEN: 3}
 
@@ -178,12 +178,7 @@ def quantize_kernel(
 
 
 def _check_input(x: torch.Tensor):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize_gpu: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in ACCEPTED_DTYPES:
-        raise TypeError(f"quantize_gpu: x dtype {x.dtype} not accepted; accepted: {', '.join(map(str, ACCEPTED_DTYPES))}")
-    if x.dim() != 2 or x.numel() == 0:
-        raise ValueError(f"quantize_gpu: x must be a non-empty 2-D tensor [M, K], got shape {tuple(x.shape)}")
+    check_weight(x, "quantize_gpu: x", finite=False)
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         raise ValueError(f"quantize_gpu: x must be on a CUDA device, got {x.device}")
 

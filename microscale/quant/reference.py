@@ -16,14 +16,19 @@ NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688: maps the tensor amax to 6 
 NVFP4_RECIPES = ("compressed-tensors", "modelopt", "torchao")
 
 
-def check_weight(w, name: str = "weight") -> None:
-    """Reject what the quantizers cannot take, saying what is accepted and where it failed."""
+def check_weight(w, name: str = "weight", *, finite: bool = True) -> None:
+    """Reject what the quantizers cannot take, saying what is accepted and where it failed.
+
+    finite=False skips the scan for NaN/Inf, which synchronizes a GPU (run-time activation
+    quantization skips it)."""
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
     if w.dtype not in ACCEPTED_DTYPES:
         raise TypeError(f"{name}: dtype {w.dtype} not accepted; accepted: {', '.join(map(str, ACCEPTED_DTYPES))}")
     if w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"{name}: expected a non-empty 2-D tensor [N, K], got shape {tuple(w.shape)}")
+    if not finite:
+        return
     bad = ~torch.isfinite(w)
     count = int(bad.sum())
     if count:
