@@ -158,7 +158,7 @@ def sweep_decode(fmt, n, k, ms, configs, seed=0):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for c in configs:
             cfg = paths.DecodeConfig(**c)
-            if cfg.block_m < min(m, 32):
+            if cfg.block_m < min(m, 32) or cfg.block_m > max(8, 2 * m):
                 continue
             try:
                 us = _time_graph(lambda p: paths.decode_gemm(x, *p, None, FMT_CODE[fmt], n, k, cfg), preps)
@@ -316,6 +316,9 @@ def main():
     p.add_argument("--shapes", default=";".join(f"{n},{k}" for n, k in SHAPES))
     p.add_argument("--fp8", action="store_true", help="also time the opt-in FP8 path for MX formats at M >= 512")
     p.add_argument("--sweep", action="store_true", help="decode-kernel tile sweep instead of the benchmark")
+    p.add_argument("--sweep-grid", default='{"block_m": [8, 16], "reps": [1, 2], "unroll": [2, 4], '
+                   '"depth": [1, 2, 3], "ctas_per_sm": [2, 4, 8]}',
+                   help="JSON {DecodeConfig field: [values]}: the sweep times every combination")
     p.add_argument("--no-quantize", action="store_true")
     p.add_argument("--quantize-only", action="store_true", help="only the quantize-kernel benchmark")
     p.add_argument("--large", action="store_true", help="large-M alternatives instead of the benchmark")
@@ -355,8 +358,8 @@ def main():
             for n, k in shapes:
                 results["large"] += bench_large(fmt, n, k, ms)
     elif args.sweep:
-        configs = [dict(block_m=bm, reps=r, unroll=u, ctas_per_sm=c)
-                   for bm, (r, u), c in itertools.product([8, 16], [(1, 2), (1, 4), (2, 2), (2, 4)], [2, 4, 8])]
+        grid = json.loads(args.sweep_grid)
+        configs = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
         for fmt in formats:
             for n, k in shapes:
                 for m in ms:

