@@ -43,7 +43,7 @@ def test_decode_kernel_sass(fmt, tmp_path):
     signature = {"X": "*bf16", "W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
                  "WS": "*fp32", "TICKETS": "*i32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32",
                  "steps_per_split": "i32", "n_split": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8)
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2)
     ops = _ops(_sass(decode.decode_gemm_kernel, signature, constexprs, (0, 1, 2, 3, 4, 5, 6, 7, 10, 14, 15),
                      tmp_path))
     assert "LDG.E.128" in ops  # the pre-shuffled weights (and activations) in 16-byte loads
