@@ -46,7 +46,7 @@ def test_decode_kernel_sass(fmt, tmp_path):
     constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2)
     ops = _ops(_sass(decode.decode_gemm_kernel, signature, constexprs, (0, 1, 2, 3, 4, 5, 6, 7, 10, 14, 15),
                      tmp_path))
-    assert "LDG.E.128" in ops  # the pre-shuffled weights (and activations) in 16-byte loads
+    assert "LDG.E.EF.128" in ops and "LDG.E.128" in ops  # 16-byte loads: weights (evict-first) and activations
     assert any(o.startswith("HMMA.16816.F32.BF16") for o in ops)
     assert any(o.startswith("HMUL2.BF16") for o in ops)  # block scale on bf16x2 pairs
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
@@ -58,5 +58,5 @@ def test_dequant_kernel_sass(to_fp8, tmp_path):
                  "INEXACT": "*i32", "KT": "i32", "ld_out": "i32", "factor": "fp32"}
     constexprs = dict(FMT=1, TO_FP8=to_fp8, NW=4, R=1, U=2)
     ops = _ops(_sass(decode.dequant_kernel, signature, constexprs, (0, 1, 2, 3, 4, 6), tmp_path))
-    assert "LDG.E.128" in ops and "STG.E.128" in ops
+    assert any(o.startswith("LDG.E.EF.128") for o in ops) and "STG.E.128" in ops  # evict-first weight loads
     assert not any(o.startswith(("LDL", "STL")) for o in ops)
