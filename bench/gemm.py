@@ -101,7 +101,7 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         rec = {"format": fmt, "M": m, "N": n, "K": k}
         opts = {"fp8_activations": True} if kernels == "fp8" else {}
-        kernel = kernels or sm90.choose_kernel(fmt, m, opts)
+        kernel = kernels or sm90.choose_kernel(fmt, m, opts, x.dtype, torch.cuda.get_device_capability())
         rec["backend"] = f"sm90:{kernel}"
         reps = dict(replays=10, calls=8) if m <= 64 else dict(replays=5, calls=2)  # long calls: fewer
         rec["us"] = _time_graph(lambda p: sm90.gemm(x, *p, None, fmt=fmt, n=n, k=k, options={"kernel": kernel}),
@@ -145,11 +145,13 @@ def bench_quantize(m=8192, k=8192):
     return recs
 
 
-def sweep_decode(fmt, n, k, ms, configs, seed=0):
-    """Time decode-kernel tile configurations (DecodeConfig fields)."""
+def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
+    """Time tile configurations (DecodeConfig or WgmmaConfig fields) of the decode or wgmma kernel."""
     from microscale.kernels import sm90
     from microscale.kernels.sm90 import launch as paths
     from microscale.kernels.sm90.decode import FMT_CODE
+    config_class, run = {"decode": (paths.DecodeConfig, paths.decode_gemm),
+                         "wgmma": (paths.WgmmaConfig, paths.wgmma_gemm)}[kernel]
     _, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
     preps = _copies(lambda: tuple(t.clone() for t in prep), sum(t.numel() * t.element_size() for t in prep))
@@ -157,15 +159,15 @@ def sweep_decode(fmt, n, k, ms, configs, seed=0):
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         for c in configs:
-            cfg = paths.DecodeConfig(**c)
-            if cfg.block_m < min(m, 32) or cfg.block_m > max(8, 2 * m):
+            cfg = config_class(**c)
+            if kernel == "decode" and (cfg.block_m < min(m, 32) or cfg.block_m > max(8, 2 * m)):
                 continue
             try:
-                us = _time_graph(lambda p: paths.decode_gemm(x, *p, None, FMT_CODE[fmt], n, k, cfg), preps)
+                us = _time_graph(lambda p: run(x, *p, None, FMT_CODE[fmt], n, k, cfg), preps)
             except Exception as e:  # a configuration that does not compile or fit
                 us = None
                 print("config failed", c, str(e).splitlines()[0][:200], flush=True)
-            rec = {"op": "sweep", "format": fmt, "M": m, "N": n, "K": k, **c, "us": us}
+            rec = {"op": "sweep", "kernel": kernel, "format": fmt, "M": m, "N": n, "K": k, **c, "us": us}
             print(json.dumps(rec), flush=True)
             recs.append(rec)
     return recs
@@ -315,7 +317,8 @@ def main():
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--shapes", default=";".join(f"{n},{k}" for n, k in SHAPES))
     p.add_argument("--fp8", action="store_true", help="also time the opt-in FP8 path for MX formats at M >= 512")
-    p.add_argument("--sweep", action="store_true", help="decode-kernel tile sweep instead of the benchmark")
+    p.add_argument("--kernel", help="time this sm90 kernel instead of the dispatch rule's choice")
+    p.add_argument("--sweep", action="store_true", help="tile sweep of the decode kernel (or --kernel wgmma) instead of the benchmark")
     p.add_argument("--sweep-grid", default='{"block_m": [8, 16], "reps": [1, 2], "unroll": [2, 4], '
                    '"depth": [1, 2, 3], "ctas_per_sm": [2, 4, 8]}',
                    help="JSON {DecodeConfig field: [values]}: the sweep times every combination")
@@ -367,13 +370,13 @@ def main():
                     wbs = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
                     print(json.dumps({"op": "bf16", "M": m, "N": n, "K": k,
                                       "us": _time_graph(lambda wb: F.linear(x, wb), wbs)}))
-                results["sweep"] += sweep_decode(fmt, n, k, ms, configs)
+                results["sweep"] += sweep_kernel(fmt, n, k, ms, configs, args.kernel or "decode")
     else:
         if not args.no_quantize:
             results["quantize"] = bench_quantize()
         for fmt in (formats if not args.quantize_only else []):
             for n, k in shapes:
-                results["gemm"] += bench_shape(fmt, n, k, ms)
+                results["gemm"] += bench_shape(fmt, n, k, ms, kernels=args.kernel)
                 if args.fp8 and fmt != "nvfp4" and (n, k) == (8192, 8192):
                     results["gemm"] += bench_shape(fmt, n, k, [m for m in ms if m >= 512], kernels="fp8")
                 if args.out:  # partial results survive a time limit

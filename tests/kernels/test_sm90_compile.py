@@ -1,7 +1,7 @@
 """The sm90 Gluon kernels, compiled for sm_90 on the CPU and checked in their SASS.
 
 Gluon kernels do not run under TRITON_INTERPRET (Triton's interpreter covers only tl.* kernels),
-so CI checks what it can without a GPU: the decode and dequantize kernels compile for every format,
+so CI checks what it can without a GPU: the decode, dequantize and wgmma kernels compile,
 every `convert_layout(..., assert_trivial=True)` holds (a non-trivial one fails the compile), and
 the machine code has what the design relies on: 16-byte weight loads, tensor-core MMAs, packed
 bf16x2 scale multiplies, vectorized stores and no local-memory spills. Their numerics are tested
@@ -24,11 +24,11 @@ from microscale.kernels.sm90 import decode  # noqa: E402
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def _sass(kernel, signature, constexprs, aligned, tmp_path):
+def _sass(kernel, signature, constexprs, aligned, tmp_path, num_warps=4):
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = GluonASTSource(kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
                          constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     return subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -60,3 +60,19 @@ def test_dequant_kernel_sass(to_fp8, tmp_path):
     ops = _ops(_sass(decode.dequant_kernel, signature, constexprs, (0, 1, 2, 3, 4, 6), tmp_path))
     assert any(o.startswith("LDG.E.EF.128") for o in ops) and "STG.E.128" in ops  # evict-first weight loads
     assert not any(o.startswith(("LDL", "STL")) for o in ops)
+
+
+@pytest.mark.parametrize("fmt,nw,bm", [("nvfp4", 4, 64), ("mxfp4", 8, 128), ("mxfp8", 8, 128)])
+def test_wgmma_kernel_sass(fmt, nw, bm, tmp_path):
+    from microscale.kernels.sm90 import wgmma
+    signature = {"X": "*bf16", "W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
+                 "WS": "*fp32", "TICKETS": "*i32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32",
+                 "steps_per_split": "i32", "n_split": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=nw, BM=bm, DEPTH=3)
+    ops = _ops(_sass(wgmma.wgmma_gemm_kernel, signature, constexprs, (0, 1, 2, 3, 4, 5, 6, 7, 10, 14, 15), tmp_path,
+                     num_warps=nw))
+    assert any(o.startswith("HGMMA.64") for o in ops)  # wgmma, both operands in shared memory
+    assert any(o.startswith("LDGSTS") for o in ops)  # activations by cp.async
+    assert any(o.startswith("LDG.E.EF.128") for o in ops)  # weights in 16-byte evict-first loads
+    assert "STS.128" in ops  # the decoded weight tile stored 16 bytes at a time
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"

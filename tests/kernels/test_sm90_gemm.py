@@ -63,6 +63,22 @@ def test_decode_kernel(fmt, m, n, k, seed):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 128, 256), (65, 200, 224), (130, 1000, 96 * 8), (300, 384, 2048 + 32)])
+def test_wgmma_kernel(fmt, m, n, k, seed):
+    from microscale.kernels.sm90 import launch as paths, prepare
+    from microscale.kernels.sm90.decode import FMT_CODE
+    x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
+    prep = prepare(q)
+    configs = [None, paths.WgmmaConfig(num_warps=8, block_m=64, depth=2, split=1),
+               paths.WgmmaConfig(num_warps=4, block_m=128, depth=3, split=3)]  # split: 1..5 steps per program
+    for cfg in configs:
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ws = torch.full((64 * m * n,), float("nan"), device="cuda")
+        paths.wgmma_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)
+        _check(y, y64, mag, k, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_kernel_fp16_activations(fmt, seed):
     from microscale.kernels import sm90
     x, q, b, y64, mag = _case(fmt, 5, 300, 512, torch.float16, seed)
@@ -118,6 +134,11 @@ def test_dispatch_picks_sm90_and_kernels():
     from microscale.kernels import dispatch, sm90
     assert dispatch.select_backend("nvfp4", "cuda").name == "sm90"
     assert sm90.choose_kernel("nvfp4", 1, {}) == "decode"
+    assert sm90.choose_kernel("nvfp4", 128, {}) == "wgmma"
+    assert sm90.choose_kernel("nvfp4", 128, {}, torch.float16) == "dequant"  # wgmma kernel: bf16 only
+    assert sm90.choose_kernel("nvfp4", 128, {}, cc=(8, 9)) == "dequant"  # no wgmma before sm_90
+    with pytest.raises(ValueError, match="bf16"):
+        sm90.choose_kernel("nvfp4", 128, {"kernel": "wgmma"}, torch.float16)
     assert sm90.choose_kernel("nvfp4", 4096, {}) == "dequant"
     assert sm90.choose_kernel("mxfp4", 4096, {"fp8_activations": True}) == "fp8"
     assert sm90.choose_kernel("nvfp4", 4096, {"fp8_activations": True}) == "dequant"

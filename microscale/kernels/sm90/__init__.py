@@ -6,9 +6,11 @@ prepare: one-time re-layout of a canonical QTensor (layout.shuffle_weights): pre
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
     "decode"  M <= DECODE_MAX_M: dequantize in registers into mma.sync (decode.py)
+    "wgmma"   M <= WGMMA_MAX_M, bf16 activations, sm_90: dequantize per K step into shared memory,
+              wgmma (wgmma.py)
     "dequant" otherwise: dequantize into a workspace, then cuBLAS
-  options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "dequant",
-  "fp8") overrides the choice.
+  options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "wgmma",
+  "dequant", "fp8") overrides the choice.
 """
 
 import os
@@ -23,9 +25,10 @@ from .decode import FMT_CODE
 from .layout import shuffle_weights
 
 NAME = "sm90"
-DECODE_MAX_M = 64
+DECODE_MAX_M = 32
+WGMMA_MAX_M = 512
 FP8_MIN_M = 1024
-KERNELS = ("decode", "dequant", "fp8")
+KERNELS = ("decode", "wgmma", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
 
 
@@ -38,18 +41,25 @@ def prepare(w: QTensor):
     return shuffle_weights(w)
 
 
-def choose_kernel(fmt: str, m: int, options: dict) -> str:
-    """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins."""
+def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0)) -> str:
+    """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins.
+    dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90)."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
     if forced:
         if forced not in KERNELS:
             raise ValueError(f"sm90: unknown kernel {forced!r}; accepted: {', '.join(KERNELS)}")
         if forced == "fp8" and fmt not in FP8_FORMATS:
             raise ValueError(f"sm90: the fp8 kernel takes {', '.join(FP8_FORMATS)} weights, not {fmt}")
+        if forced == "wgmma" and (dtype != torch.bfloat16 or cc[0] != 9):
+            raise ValueError(f"sm90: the wgmma kernel takes bf16 activations on sm_90, not {dtype} on sm_{cc[0]}{cc[1]}")
         return forced
     if options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
         return "fp8"
-    return "decode" if m <= DECODE_MAX_M else "dequant"
+    if m <= DECODE_MAX_M:
+        return "decode"
+    if m <= WGMMA_MAX_M and dtype == torch.bfloat16 and cc[0] == 9:
+        return "wgmma"
+    return "dequant"
 
 
 def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
@@ -66,8 +76,9 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
         return x2d.new_empty(0, n)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    kernel = choose_kernel(fmt, m, options or {})
-    run = {"decode": paths.decode_gemm, "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
+    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device))
+    run = {"decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm, "dequant": paths.dequant_gemm,
+           "fp8": paths.fp8_gemm}[kernel]
     return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
 
 

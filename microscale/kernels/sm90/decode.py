@@ -153,9 +153,30 @@ def _dequant_tile(w, s, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
 
 
 @gluon.jit
-def _load_w(W_base, w_off, S_base, s_off, kt, WORDS: gl.constexpr, SCALE_BYTES: gl.constexpr):
+def _weight_tile_pointers(W, S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
+    """Base pointers of row tile pid_n and per-lane offsets of its word tile [RG, U, 32, WORDS] (int32)
+    and scale tile [RG, U, 32, 2] (bytes) within one K step; _load_w adds the K step."""
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
+    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32  # scale bytes per row group and K step
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
+    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
+    s_rg, s_u, s_lane, s_rsel = _tile_index(s_layout, RG, U, 2)
+    if FMT != 0:
+        s_lane = (s_lane >> 2) * 2 + ((s_lane & 3) >> 1)  # lanes 2j, 2j+1 share a block of 32
+    s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane * 2 + s_rsel
+    W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * RG).to(gl.int64) * KT * (32 * WORDS)
+    S_base = S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES
+    return W_base, w_off, S_base, s_off
+
+
+@gluon.jit
+def _load_w(W_base, w_off, S_base, s_off, kt, FMT: gl.constexpr):
     """The word and scale tiles of K steps kt .. kt+U-1, marked evict-first: weights are read once, and
     keeping them from pushing the activations and other lines out of L2 measured 3-15% faster."""
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4
+    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32
     return (gl.load(W_base + w_off + kt * (32 * WORDS), eviction_policy="evict_first"),
             gl.load(S_base + s_off + kt * SCALE_BYTES, eviction_policy="evict_first"))
 
@@ -190,15 +211,11 @@ def decode_gemm_kernel(
     RG: gl.constexpr = NW * R  # 16-row groups per program
     BN: gl.constexpr = RG * ROW_GROUP
     BK: gl.constexpr = U * K_STEP
-    WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
-    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32  # scale bytes per row group and K step
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     x_layout: gl.constexpr = _x_load_layout(NW, U, BMX)
-    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-    s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
 
     pid_n = gl.program_id(0)
     pid_s = gl.program_id(1)
@@ -208,15 +225,7 @@ def decode_gemm_kernel(
     n_iter = gl.maximum(k_end - k_begin, 0) // U
     k_last = gl.maximum(k_end - U, 0)
 
-    # per-lane tiles: W as int32 words, S as bytes; offsets within one K step of a row group
-    w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
-    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
-    s_rg, s_u, s_lane, s_rsel = _tile_index(s_layout, RG, U, 2)
-    if FMT != 0:
-        s_lane = (s_lane >> 2) * 2 + ((s_lane & 3) >> 1)  # lanes 2j, 2j+1 share a block of 32
-    s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane * 2 + s_rsel
-    W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * RG).to(gl.int64) * KT * (32 * WORDS)
-    S_base = S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES
+    W_base, w_off, S_base, s_off = _weight_tile_pointers(W, S, pid_n, KT, FMT, NW, RG, U)
 
     x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
     x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
@@ -229,12 +238,12 @@ def decode_gemm_kernel(
     # last tile (clamped) and are never used.
     tiles = ()
     for j in gl.static_range(DEPTH):
-        tiles = tiles + (_load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin + j * U, k_last), WORDS, SCALE_BYTES),)
+        tiles = tiles + (_load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)
     acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
     for i in range(n_iter // DEPTH):
         kt = k_begin + i * (DEPTH * U)
         for j in gl.static_range(DEPTH):
-            nxt = _load_w(W_base, w_off, S_base, s_off, gl.minimum(kt + (j + DEPTH) * U, k_last), WORDS, SCALE_BYTES)
+            nxt = _load_w(W_base, w_off, S_base, s_off, gl.minimum(kt + (j + DEPTH) * U, k_last), FMT)
             w, s = tiles[0]
             acc = _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout)
             tiles = tiles[1:] + (nxt,)
@@ -246,14 +255,23 @@ def decode_gemm_kernel(
 
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
+    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, n_idx, m_idx, M, N, stride_ym, pid_s, n_split,
+            pid_m * gl.num_programs(0) + pid_n, HAS_BIAS, SPLIT)
+
+
+@gluon.jit
+def _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, n_idx, m_idx, M, N, stride_ym, pid_s, n_split, tile,
+            HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):
+    """y^T tile [n_idx, m_idx] = acc (times row_mult, plus bias). With SPLIT, acc is this program's
+    partial over its K range: it goes to the workspace WS, and the last program of the tile (ticket
+    n_split - 1) sums the partials in split order (deterministic), writes y and resets the ticket."""
     out_mask = (n_idx < N)[:, None] & (m_idx < M)[None, :]
     if SPLIT:
-        tile = pid_m * gl.num_programs(0) + pid_n
         gl.store(WS + (pid_s * M + m_idx[None, :]).to(gl.int64) * N + n_idx[:, None], acc, mask=out_mask)
         gl.thread_barrier()  # every thread's partial is written before the ticket (release) is taken
         ticket = gl.atomic_add(TICKETS + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == n_split - 1:
-            acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
+            acc = gl.zeros_like(acc)
             for s in range(n_split):
                 acc += gl.load(WS + (s * M + m_idx[None, :]).to(gl.int64) * N + n_idx[:, None], mask=out_mask,
                                other=0.0, cache_modifier=".cg")
@@ -282,6 +300,14 @@ def _contiguous_first(ll):
 
 
 @gluon.jit
+def _to_physical_k(v, BN: gl.constexpr, U: gl.constexpr):
+    """A weight tile [BN, U*64] in the MMA's logical K order -> true K order (layout.py), with the
+    registers renamed so each thread's 16 consecutive K come first (their stores vectorize)."""
+    v = v.reshape(BN, U, 2, 4, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(BN, U * K_STEP)
+    return gl.convert_layout(v, _contiguous_first(v.type.layout), assert_trivial=True)
+
+
+@gluon.jit
 def dequant_kernel(
     W, S, ROW_MULT, OUT, INEXACT, KT, ld_out, factor,
     FMT: gl.constexpr, TO_FP8: gl.constexpr, NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr,
@@ -292,24 +318,13 @@ def dequant_kernel(
     RG: gl.constexpr = NW * R
     BN: gl.constexpr = RG * ROW_GROUP
     BK: gl.constexpr = U * K_STEP
-    WORDS: gl.constexpr = 8 if FMT == 2 else 4
-    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-    s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
 
     pid_n = gl.program_id(0)
     kt = gl.program_id(1) * U
-    w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
-    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
-    s_rg, s_u, s_lane, s_rsel = _tile_index(s_layout, RG, U, 2)
-    if FMT != 0:
-        s_lane = (s_lane >> 2) * 2 + ((s_lane & 3) >> 1)
-    s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane * 2 + s_rsel
-    W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * RG).to(gl.int64) * KT * (32 * WORDS)
-    S_base = S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES
-    w, s = _load_w(W_base, w_off, S_base, s_off, kt, WORDS, SCALE_BYTES)
+    W_base, w_off, S_base, s_off = _weight_tile_pointers(W, S, pid_n, KT, FMT, NW, RG, U)
+    w, s = _load_w(W_base, w_off, S_base, s_off, kt, FMT)
     v = gl.convert_layout(_dequant_tile(w, s, FMT, RG, U), a_layout, assert_trivial=True).to(gl.float32)
 
     rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, a_layout))
@@ -321,9 +336,7 @@ def dequant_kernel(
         v = q
     else:
         v = (v * gl.load(ROW_MULT + rows)[:, None]).to(OUT.dtype.element_ty)
-    # logical -> physical K order (layout.py), then a register renaming so each thread's 16 consecutive K store at once
-    v = v.reshape(BN, U, 2, 4, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(BN, BK)
-    v = gl.convert_layout(v, _contiguous_first(v.type.layout), assert_trivial=True)
+    v = _to_physical_k(v, BN, U)
     r = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, v.type.layout))
     c = kt * K_STEP + gl.arange(0, BK, layout=gl.SliceLayout(0, v.type.layout))
     gl.store(OUT + r[:, None].to(gl.int64) * ld_out + c[None, :], v)

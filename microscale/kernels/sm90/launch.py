@@ -1,6 +1,7 @@
 """Host side of the Hopper kernels: launch configuration and the three GEMM paths.
 
     decode_gemm    M <= 64: weights dequantized in registers into mma.sync (decode.py)
+    wgmma_gemm     larger M: weights dequantized per K step into shared memory, wgmma (wgmma.py)
     dequant_gemm   large M: dequantize W into a workspace in x's dtype, then one cuBLAS GEMM (a
                    chunk-wise variant through an L2-sized workspace measured slower: BENCHMARKS.md)
     fp8_gemm       large M, opt-in (MX formats): weights transcoded to E4M3 with a per-row power of
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from ...formats.spec import E4M3_MAX
 from ..quantize import _e4m3_bits
-from . import decode
+from . import decode, wgmma
 from .layout import K_STEP, ROW_GROUP, padded_shape
 
 E4M3_LIMIT = tl.constexpr(E4M3_MAX)
@@ -45,13 +46,13 @@ class DecodeConfig:
 
 
 def decode_config(m: int, fmt_code: int) -> DecodeConfig:
-    """Tile choice for the decode kernel, from the sweep on the H200 (bench/gemm.py --sweep,
-    bench/results/sweep_h200.json): M <= 8 one 16-row group per warp and 4 K steps per trip; up to 16
-    two row groups (MXFP8: 4 K steps) at about 2 programs per SM; above, 32 activation rows per program."""
+    """Tile choice for the decode kernel, from the sweeps on the H200 (bench/gemm.py --sweep,
+    bench/results/sweep_h200.json): up to 8 rows one 16-row group per warp, 2 K steps per tile, 2
+    tiles in flight; up to 16 two row groups per warp; above, 32 activation rows per program."""
     if m <= 8:
-        return DecodeConfig(block_m=8, reps=1, unroll=4, ctas_per_sm=4)
+        return DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=2, ctas_per_sm=4)
     if m <= 16:
-        return DecodeConfig(block_m=16, reps=2, unroll=4 if fmt_code == 2 else 2, ctas_per_sm=2)
+        return DecodeConfig(num_warps=4, block_m=16, reps=2, unroll=2, depth=1, ctas_per_sm=4)
     return DecodeConfig(block_m=32, reps=2, unroll=1, ctas_per_sm=4)
 
 
@@ -102,6 +103,46 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
         m, n, k, kt, steps, split, x.stride(0), y.stride(0),
         FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, R=cfg.reps, U=cfg.unroll,
         BMX=cfg.block_m, DEPTH=cfg.depth, num_warps=cfg.num_warps,
+    )
+    return y
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    num_warps: int = 4  # 16 weight rows per warp
+    block_m: int = 128  # activation rows per program (the wgmma's N: 64 or 128)
+    depth: int = 3  # weight tiles in flight (registers)
+    split: int = 0  # K splits; 0 = chosen from the grid size
+    ctas_per_sm: int = 2  # target programs per SM when the split is chosen
+
+
+def wgmma_config(m: int) -> WgmmaConfig:
+    """From the sweep on the H200 (bench/gemm.py --sweep --kernel wgmma): one warpgroup and 64
+    activation rows up to M = 64, two warpgroups (128 weight rows) and 128 rows above."""
+    if m <= 64:
+        return WgmmaConfig(num_warps=4, block_m=64, depth=3, ctas_per_sm=1)
+    return WgmmaConfig(num_warps=8, block_m=128, depth=3, ctas_per_sm=1)
+
+
+def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: WgmmaConfig = None, out=None,
+               workspace=None):
+    m = x.shape[0]
+    np_, kp = padded_shape(n, k)
+    kt = kp // K_STEP
+    cfg = cfg or wgmma_config(m)
+    tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), np_ // (ROW_GROUP * cfg.num_warps)
+    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    split = cfg.split or max(1, min(kt // 8, math.ceil(cfg.ctas_per_sm * sms / (tiles_m * tiles_n))))
+    steps = triton.cdiv(kt, split)
+    split = triton.cdiv(kt, steps)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    ws = workspace if workspace is not None else torch.empty(split * m * n if split > 1 else 1,
+                                                             dtype=torch.float32, device=x.device)
+    wgmma.wgmma_gemm_kernel[(tiles_m, tiles_n, split)](
+        x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, _tickets(x.device, tiles_m * tiles_n),
+        m, n, k, kt, steps, split, x.stride(0), y.stride(0),
+        FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, BM=cfg.block_m, DEPTH=cfg.depth,
+        num_warps=cfg.num_warps,
     )
     return y
 
