@@ -32,6 +32,7 @@ from torch import nn
 
 from microscale.formats.spec import get_format
 from microscale.models.eval import (
+    CALIBRATION_SIZE,
     embedding_agreement,
     load_minilm,
     load_smollm2,
@@ -40,7 +41,7 @@ from microscale.models.eval import (
     wiki_articles,
     wiki_text,
 )
-from microscale.models.quantize_model import FUSED_PROJECTIONS
+from microscale.models.quantize_model import fused_groups
 from microscale.quant.calibration import CALIBRATION_ARTICLES, calibration_ids
 from microscale.quant.methods import effective_weight, quantize_weights
 
@@ -59,17 +60,6 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 def layer_linears(model, prefix: str) -> dict:
     return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith(prefix)}
-
-
-def fused_groups(names) -> list:
-    groups = []
-    for members in FUSED_PROJECTIONS:
-        parents = sorted({n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in members})
-        for parent in parents:
-            group = tuple(f"{parent}.{m}" for m in members if f"{parent}.{m}" in names)
-            if len(group) > 1:
-                groups.append(group)
-    return groups
 
 
 def weight_sqnr_db(originals: dict, effective: dict) -> float:
@@ -142,8 +132,8 @@ def main():
     p.add_argument("--model", choices=["smollm2", "minilm"], default="smollm2")
     p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "mxfp8"])
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
-    p.add_argument("--calib-samples", type=int, default=None, help="default 32 (smollm2), 64 (minilm)")
-    p.add_argument("--calib-len", type=int, default=None, help="default 512 (smollm2), 128 (minilm)")
+    p.add_argument("--calib-samples", type=int, default=None, help=f"default: {CALIBRATION_SIZE}")
+    p.add_argument("--calib-len", type=int, default=None, help=f"default: {CALIBRATION_SIZE}")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=None, help="default bench/results/accuracy_<model>.json")
     p.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
@@ -154,8 +144,8 @@ def main():
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    n_calib = args.calib_samples or (32 if args.model == "smollm2" else 64)
-    calib_len = args.calib_len or (512 if args.model == "smollm2" else 128)
+    n_calib = args.calib_samples or CALIBRATION_SIZE[args.model][0]
+    calib_len = args.calib_len or CALIBRATION_SIZE[args.model][1]
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, selected, metric, calib, text = load_model(args.model, n_calib, calib_len, device)

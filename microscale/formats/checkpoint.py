@@ -8,6 +8,14 @@ Layouts (formats-spec section 4), all with block scales row-major [N, K/block] (
       mxfp8-quantized:      <m>.weight F8_E4M3 [N, K],     <m>.weight_scale U8 [N, K/32]
       A K that is not a whole number of blocks is stored zero-padded, with <m>.weight_shape I64 [2]
       (compressed-tensors' name for a packed weight's logical shape).
+  microscale-rotated  (ours: weights stored block-wise Hadamard rotated, W R)
+      the compressed-tensors layout and config, but quant_method "microscale-rotated" and a
+      "microscale": {"rotation": {"type": "block_hadamard", "block_size": b}} entry. Run without
+      rotating the activations these weights compute garbage, so the quant_method is one no other
+      loader knows: vLLM and SGLang refuse it ("Unknown quantization method"). transformers does not
+      refuse an unknown quant_method: it warns that it skips quantization and builds a float model
+      whose quantized Linears are missing from the checkpoint (its load report lists them MISSING,
+      newly initialized), as it does for any method it does not know.
   ModelOpt NVFP4 (read): <m>.weight U8, <m>.weight_scale F8_E4M3, <m>.weight_scale_2 F32 (decode, amax/2688),
       <m>.input_scale F32 (decode), hf_quant_config.json. Imported as compressed-tensors' converter does:
       global scale = 1 / weight_scale_2, input global scale = 1 / input_scale; data and block scales as is.
@@ -42,6 +50,7 @@ from typing import Optional
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..quant.hadamard import ROTATION_CONFIG_KEY, rotation_block_from_config, rotation_config
 from .spec import FORMATS, FormatSpec, get_format
 from .tensor import QTensor, padded_k
 
@@ -185,6 +194,8 @@ class Naming:
         return [s for s in (self.data, self.scale, self.global_scale, self.input_scale, self.shape) if s]
 
 
+ROTATED_QUANT_METHOD = "microscale-rotated"
+MICROSCALE_CONFIG_KEY = "microscale"  # quantization_config entry with what only microscale applies
 CT_FORMAT_TAGS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}
 CT_NAMING = {
     "nvfp4": Naming("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "weight_shape"),
@@ -234,12 +245,14 @@ def _ct_args(spec: FormatSpec, dynamic) -> dict:
     }
 
 
-def compressed_tensors_config(schemes: dict, ignore=()) -> dict:
+def compressed_tensors_config(schemes: dict, ignore=(), rotation: Optional[int] = None) -> dict:
     """config.json quantization_config for compressed-tensors checkpoints.
 
     schemes: module name -> (weight format, activation format or None, whether an input_global_scale
     tensor is stored). One scheme for all modules gives one group targeting "Linear" (with `ignore`
     listing the Linear modules left in float); several give "mixed-precision" groups naming their modules.
+    rotation: block of the Hadamard rotation the weights were quantized under: the config becomes a
+    "microscale-rotated" one (module docstring).
     """
     groups = {}
     for module, (fmt, act, static_input) in schemes.items():
@@ -255,7 +268,7 @@ def compressed_tensors_config(schemes: dict, ignore=()) -> dict:
             "format": CT_FORMAT_TAGS[fmt.name],
         }
     tags = {g["format"] for g in config_groups.values()}
-    return {
+    config = {
         "quant_method": "compressed-tensors",
         "format": tags.pop() if len(tags) == 1 else "mixed-precision",
         "quantization_status": "compressed",
@@ -264,6 +277,26 @@ def compressed_tensors_config(schemes: dict, ignore=()) -> dict:
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
     }
+    if rotation is not None:
+        config["quant_method"] = ROTATED_QUANT_METHOD
+        config[MICROSCALE_CONFIG_KEY] = {ROTATION_CONFIG_KEY: rotation_config(rotation)}
+    return config
+
+
+def _planned_rotation(qc: dict, method: str, where: str) -> Optional[int]:
+    """The rotation block a compressed-tensors-layout config records: only a microscale-rotated one has one."""
+    extension = qc.get(MICROSCALE_CONFIG_KEY)
+    if extension is not None and not isinstance(extension, dict):
+        raise CheckpointError(f"{where}: {MICROSCALE_CONFIG_KEY!r} must be an object, got {extension!r}")
+    try:
+        block = rotation_block_from_config(extension or {})
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    if (block is not None) != (method == ROTATED_QUANT_METHOD):
+        raise CheckpointError(f"{where}: quant_method {method!r} with rotation {block}: a rotation must come with "
+                              f"quant_method {ROTATED_QUANT_METHOD!r} (so that other loaders refuse the checkpoint), "
+                              f"and that quant_method with a rotation")
+    return block
 
 
 # ---- plans: what a directory holds, checked from headers -----------------------------------------
@@ -301,6 +334,7 @@ class CheckpointPlan:
     config: dict  # config.json ({} when absent)
     quantized: dict = field(default_factory=dict)  # module -> QuantizedEntry
     plain: dict = field(default_factory=dict)  # tensor name -> TensorInfo (everything else)
+    rotation: Optional[int] = None  # Hadamard rotation block of the weights (microscale-rotated), None if none
 
 
 def _split(name: str):
@@ -536,8 +570,9 @@ def plan_checkpoint(directory) -> CheckpointPlan:
     elif qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else None
         where = f"{config_path} quantization_config"
-        if method == "compressed-tensors":
+        if method in ("compressed-tensors", ROTATED_QUANT_METHOD):
             plan.layout = "compressed-tensors"
+            plan.rotation = _planned_rotation(qc, method, where)
             _plan_compressed_tensors(plan, tensors, qc, where)
         elif method == "modelopt":
             plan.layout = "modelopt"
@@ -547,7 +582,7 @@ def plan_checkpoint(directory) -> CheckpointPlan:
             _plan_gpt_oss(plan, tensors)
         else:
             raise CheckpointError(f"{where}: unknown quant_method {method!r} (supported: compressed-tensors, "
-                                  f"modelopt, mxfp4)")
+                                  f"{ROTATED_QUANT_METHOD}, modelopt, mxfp4)")
     else:
         for name, info in tensors.items():
             if _split(name)[1] in QUANT_SUFFIXES or _GPT_OSS_BLOCKS.fullmatch(name):

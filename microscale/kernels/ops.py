@@ -10,7 +10,11 @@ Quantized activations: when the backend runs them natively (it lists "activation
 options, e.g. a Blackwell W4A4 kernel), it gets the option. Otherwise the activations are
 quantized and dequantized here before a weight-only gemm: numerically the same W4A4 product
 with float accumulation, computed on hardware without an FP4 datapath (the H200). NVFP4
-activations use a per-call global scale from the activation tensor's absolute maximum.
+activations use a per-call global scale from the activation tensor's absolute maximum, or a static
+one (`input_global_scale`, the encode scale 2688/amax of calibrated inputs): inputs beyond the
+calibrated amax then saturate (block scale clamped at E4M3's 448, elements at E2M1's 6). A native
+backend gets a static scale only if it lists "input_global_scale" in its options; otherwise the
+activations are emulated here with it.
 """
 
 from typing import Optional
@@ -22,9 +26,10 @@ from ..quant import quantize
 from .dispatch import Backend, get_backend, select_backend
 
 
-def _activation_quantizer(device: torch.device):
+def quantizer_for(device: torch.device):
     """The fused Triton quantizer on CUDA, the reference elsewhere: the same bits (tested so in
-    tests/kernels), but the kernel neither synchronizes nor builds host tensors (CUDA graphs)."""
+    tests/kernels), but the kernel neither synchronizes nor builds host tensors (CUDA graphs), nor
+    rejects NaN/Inf (check_weight first where that matters)."""
     if device.type == "cuda":
         from .quantize import quantize_gpu  # imports Triton, only where a GPU runs
 
@@ -32,11 +37,13 @@ def _activation_quantizer(device: torch.device):
     return quantize
 
 
-def quantize_dequantize_activations(x2d: torch.Tensor, fmt: str) -> torch.Tensor:
-    """x [M, K] rounded to `fmt` along K, returned in x's dtype."""
+def quantize_dequantize_activations(x2d: torch.Tensor, fmt: str,
+                                    global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] rounded to `fmt` along K, returned in x's dtype; NVFP4 with `global_scale` (encode)
+    when given, else with one from x's amax."""
     if x2d.shape[0] == 0:
         return x2d
-    q = _activation_quantizer(x2d.device)(x2d, fmt, scale_layout="linear")
+    q = quantizer_for(x2d.device)(x2d, fmt, global_scale=global_scale, scale_layout="linear")
     return q.dequantize(x2d.dtype)
 
 
@@ -52,20 +59,25 @@ def linear(
     k: int,
     backend: str,
     activations: Optional[str],
+    input_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ dequant(W).T (+ bias) with W as prepared by `backend`."""
+    """y [M, N] = x [M, K] @ dequant(W).T (+ bias) with W as prepared by `backend`; the activations
+    quantized to `activations` (if given), NVFP4 with the static `input_global_scale` (if given)."""
     b = get_backend(backend)
     options = {}
     if activations is not None:
-        if "activations" in b.options and activations == fmt:
+        static_ok = input_global_scale is None or "input_global_scale" in b.options
+        if "activations" in b.options and activations == fmt and static_ok:
             options["activations"] = activations
+            if input_global_scale is not None:
+                options["input_global_scale"] = input_global_scale
         else:
-            x = quantize_dequantize_activations(x, activations)
+            x = quantize_dequantize_activations(x, activations, input_global_scale)
     return b.gemm(x, data, scale, global_scale, bias, fmt=fmt, n=n, k=k, options=options)
 
 
 @linear.register_fake
-def _linear_fake(x, data, scale, global_scale, bias, fmt, n, k, backend, activations):
+def _linear_fake(x, data, scale, global_scale, bias, fmt, n, k, backend, activations, input_global_scale=None):
     return x.new_empty((x.shape[0], n))
 
 
@@ -74,13 +86,16 @@ def check_activations(activations: Optional[str]) -> Optional[str]:
     return None if activations is None else get_format(activations).name
 
 
-def select_linear_backend(fmt, device, activations: Optional[str] = None, override: Optional[str] = None) -> Backend:
+def select_linear_backend(fmt, device, activations: Optional[str] = None, override: Optional[str] = None,
+                          static_input: bool = False) -> Backend:
     """The backend for a quantized Linear: one that runs the activations natively if there is one on
     `device`, else the first weight-only one (`linear` then emulates the activations). Native
-    low-precision-activation kernels (Blackwell W4A4 / W8A8) take activations in the weights' format."""
+    low-precision-activation kernels (Blackwell W4A4 / W8A8) take activations in the weights' format;
+    with `static_input` (a static input global scale), only those that take the scale too."""
     if activations is not None and activations == get_format(fmt).name:
+        options = {"activations": activations, "input_global_scale": True if static_input else None}
         try:
-            return select_backend(fmt, device, options={"activations": activations}, override=override)
+            return select_backend(fmt, device, options=options, override=override)
         except ValueError:
             pass  # no native low-precision-activation kernel here; fall through to weight-only
     return select_backend(fmt, device, override=override)

@@ -1,10 +1,12 @@
-"""Show a checkpoint's layout and format, its quantized and unquantized layers, bits per weight and bytes.
+"""Show a checkpoint's layout and format, its quantized and unquantized layers, bits per weight and bytes,
+and how the quantized layers' activations run (float, or quantized with a per-call or static scale).
 
 Reads headers and configs only (no tensor data), for our compressed-tensors checkpoints and the
 imported layouts (ModelOpt NVFP4, gpt-oss MXFP4) alike.
 """
 
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 from ..formats.checkpoint import DTYPE_TAGS, CheckpointError, CheckpointPlan, plan_checkpoint
@@ -23,20 +25,43 @@ class Row:
         return 8 * self.nbytes / self.weights if self.weights else 0.0
 
 
+def _row_name(entry) -> str:
+    """The layer an entry belongs to: its module, or for one expert of a stacked tensor that tensor."""
+    return entry.module if entry.expert is None else entry.module.rpartition(".")[0]
+
+
 def quantized_rows(plan: CheckpointPlan) -> list:
     """One row per quantized weight; the experts of one stacked tensor (gpt-oss) share a row."""
     rows = {}
     for entry in plan.quantized.values():
         n, k = entry.shape
+        name = _row_name(entry)
         if entry.expert is None:
-            rows[entry.module] = Row(entry.module, entry.fmt.name, f"{n}x{k}", n * k, entry.nbytes)
+            rows[name] = Row(name, entry.fmt.name, f"{n}x{k}", n * k, entry.nbytes)
             continue
         experts = entry.data.shape[0]
-        name = entry.module.rpartition(".")[0]
         row = rows.setdefault(name, Row(name, entry.fmt.name, f"{experts}x{n}x{k}", 0, 0))
         row.weights += n * k
         row.nbytes += entry.nbytes
     return list(rows.values())
+
+
+def activations(entry) -> str:
+    """How a quantized layer's inputs run, as its checkpoint declares: float (weight-only), or quantized
+    per call; NVFP4 with a static global scale when the checkpoint stores one (compressed-tensors
+    input_global_scale, ModelOpt input_scale)."""
+    act = entry.activations
+    if act is None:
+        return "float activations (weight-only)"
+    if entry.input_scale is not None:
+        return f"static {act.name} activations (global scale from {entry.input_scale.name.rpartition('.')[2]})"
+    return f"dynamic {act.name} activations" + (" (per-call global scale)" if act.global_scale else "")
+
+
+def activation_groups(plan: CheckpointPlan) -> Counter:
+    """(weight format, activations(entry)) -> number of layers (the experts of one stacked tensor: one)."""
+    layers = {(_row_name(e), e.fmt.name, activations(e)) for e in plan.quantized.values()}
+    return Counter((fmt, act) for _, fmt, act in layers)
 
 
 def plain_rows(infos) -> list:
@@ -82,6 +107,8 @@ def describe(plan: CheckpointPlan, layers: bool = True) -> str:
                    {i.file.name for i in plan.plain.values()})
     formats = sorted({r.kind for r in quantized})
     layout = plan.layout + (f" ({plan.format_tag})" if plan.format_tag else "")
+    if plan.rotation:
+        layout += f", weights block-wise Hadamard rotated ({plan.rotation}): loads in microscale only"
     qw, qb, qbits = _total(quantized)
     uw, ub, ubits = _total(unquantized_layers)
     ow, ob, _ = _total(others)
@@ -97,6 +124,8 @@ def describe(plan: CheckpointPlan, layers: bool = True) -> str:
         f"total:              {len(quantized) + len(plain):>5}  {'':<14} {tw:>14,} params  {_mib(tb):>12}  "
         f"{tbits:.3f} bits/param",
     ]
+    lines += [f"{'activations:':<20}{count:>5}  {fmt} weights, {act}"
+              for (fmt, act), count in sorted(activation_groups(plan).items())]
     if layers:
         if quantized:
             lines += [""] + _table("quantized layer", quantized, True)

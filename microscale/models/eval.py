@@ -25,10 +25,15 @@ import torch.nn.functional as F
 
 from ..formats.spec import get_format
 from ..kernels.dispatch import get_backend
+from ..quant.calibration import calibration_ids
+from ..quant.methods import effective_weight
 from .linear import QuantizedLinear
-from .quantize_model import model_bytes, quantize_model
+from .quantize_model import DEFAULT_EXCLUDE, model_bytes, quantize_model
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# GPTQ calibration (sequences, tokens each) per model: what ACCURACY.md's tables were measured with
+CALIBRATION_SIZE = {"smollm2": (32, 512), "minilm": (64, 128)}
+ENCODER_EXCLUDE = DEFAULT_EXCLUDE + ("pooler.*",)  # BERT's pooler: mean-pooled embeddings never read it
 
 
 # ---- offline packages ------------------------------------------------------------------------
@@ -140,7 +145,7 @@ def weight_error(reference: dict, model) -> dict:
         if not isinstance(layer, QuantizedLinear):
             continue
         w = reference[name].double()
-        err = layer.qweight.dequantize().double().to(w.device) - w
+        err = effective_weight(layer.qweight, layer.rotation).double().to(w.device) - w
         signal += (w * w).sum().item()
         noise += (err * err).sum().item()
         block = layer.fmt.block
@@ -162,28 +167,37 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
 # ---- variants and tables -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Variant:
-    """A model configuration to measure: float weights (fmt None) or quantized weights/activations."""
+    """A model configuration to measure: float weights (fmt None) or quantized weights/activations,
+    by a quantize_model method, optionally rotated."""
 
     fmt: Optional[str] = None
     activations: Optional[str] = None
+    method: str = "rtn"
+    rotation: Optional[int] = None
 
     @property
     def label(self) -> str:
         if self.fmt is None:
             return "float32"
-        return self.fmt + (f" + {self.activations} act" if self.activations else "")
+        method = "" if self.method == "rtn" and self.rotation is None else f" {self.method}"
+        rotation = f"+rot{self.rotation}" if self.rotation else ""
+        return self.fmt + method + rotation + (f" + {self.activations} act" if self.activations else "")
 
 
-def variants(formats, activations: Optional[str] = None) -> list:
+def variants(formats, activations: Optional[str] = None, method: str = "rtn", rotation: Optional[int] = None) -> list:
     """The float32 baseline, then each format with float activations or `activations`."""
-    return [Variant()] + [Variant(get_format(f).name, activations) for f in formats]
+    return [Variant()] + [Variant(get_format(f).name, activations, method, rotation) for f in formats]
 
 
-def quantized_copy(base, variant: Variant, device):
+def quantized_copy(base, variant: Variant, device, calibration: Optional[torch.Tensor] = None, exclude=None):
+    """A copy of `base` on `device` quantized as `variant` says (calibration: token ids for gptq;
+    exclude: quantize_model's)."""
     model = copy.deepcopy(base).to(device)
     report = None
     if variant.fmt is not None:
-        report = quantize_model(model, variant.fmt, activations=variant.activations, progress=False)
+        report = quantize_model(model, variant.fmt, activations=variant.activations, method=variant.method,
+                                rotation=variant.rotation, exclude=exclude, progress=False,
+                                calibration=calibration if variant.method == "gptq" else None)
     return model, report
 
 
@@ -202,12 +216,13 @@ def _add_weight_bytes(rows: list, reports: list, base) -> None:
 
 
 def evaluate_causal_lm(base, tokenizer, variant_list: list, input_ids: torch.Tensor, *, device, window: int,
-                       stride: int, prompt: str, new_tokens: int, log=print) -> list:
-    """One row per variant: perplexity over input_ids, weight bytes, a greedy continuation of prompt."""
+                       stride: int, prompt: str, new_tokens: int, log=print, calibration=None) -> list:
+    """One row per variant: perplexity over input_ids, weight bytes, a greedy continuation of prompt.
+    calibration: token ids for gptq variants."""
     rows, reports = [], []
     for v in variant_list:
         t0 = time.perf_counter()
-        model, report = quantized_copy(base, v, device)
+        model, report = quantized_copy(base, v, device, calibration)
         ppl, scored = perplexity(model, input_ids, window=window, stride=stride)
         text = greedy_continuation(model, tokenizer, prompt, new_tokens)
         rows.append({"variant": v.label, "backend": _backends(model), "ppl": ppl, "tokens": scored,
@@ -221,13 +236,15 @@ def evaluate_causal_lm(base, tokenizer, variant_list: list, input_ids: torch.Ten
     return rows
 
 
-def evaluate_encoder(base, tokenizer, variant_list: list, sentences: list, *, device, log=print) -> list:
+def evaluate_encoder(base, tokenizer, variant_list: list, sentences: list, *, device, log=print,
+                     calibration=None) -> list:
     """One row per variant: weight bytes and bits/weight, weight SQNR and error, embedding agreement
-    with the first variant (the float32 baseline)."""
+    with the first variant (the float32 baseline). calibration: token ids for gptq variants. The
+    pooler, unused by mean pooling (and outside the layers GPTQ calibrates), stays in float."""
     ref_weights = {n: m.weight.detach().clone() for n, m in base.named_modules() if type(m) is torch.nn.Linear}
     rows, reports, ref_emb = [], [], None
     for v in variant_list:
-        model, report = quantized_copy(base, v, device)
+        model, report = quantized_copy(base, v, device, calibration, exclude=ENCODER_EXCLUDE)
         emb = sentence_embeddings(model, tokenizer, sentences)
         ref_emb = emb if ref_emb is None else ref_emb
         row = {"variant": v.label, "backend": _backends(model)}
@@ -277,12 +294,25 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_encoder(formats, activations: Optional[str] = None, *, device, n_sentences: int = 64, log=print) -> list:
-    """all-MiniLM-L6-v2 with every Linear quantized to each format; prints and returns the table rows."""
+def gptq_calibration(tokenizer, variant_list: list, size: tuple, log=print) -> Optional[torch.Tensor]:
+    """Calibration token ids [n_samples, seq_len] (quant.calibration) if a variant uses gptq, else None."""
+    if not any(v.method == "gptq" for v in variant_list):
+        return None
+    log(f"GPTQ calibration: {size[0]} x {size[1]} tokens of Wikipedia articles that are not evaluation text")
+    return calibration_ids(tokenizer, *size)
+
+
+def run_encoder(formats, activations: Optional[str] = None, *, device, n_sentences: int = 64, log=print,
+                method: str = "rtn", rotation: Optional[int] = None,
+                calibration_size: tuple = CALIBRATION_SIZE["minilm"]) -> list:
+    """all-MiniLM-L6-v2 with every Linear quantized to each format (by `method`, optionally rotated);
+    prints and returns the table rows."""
     model, tokenizer = load_minilm()
     sentences = wiki_articles(n_sentences)
     log(f"all-MiniLM-L6-v2 on {device}: {len(sentences)} Wikipedia summaries as inputs (at most 256 tokens each)")
-    rows = evaluate_encoder(model, tokenizer, variants(formats, activations), sentences, device=device, log=log)
+    variant_list = variants(formats, activations, method, rotation)
+    rows = evaluate_encoder(model, tokenizer, variant_list, sentences, device=device, log=log,
+                            calibration=gptq_calibration(tokenizer, variant_list, calibration_size, log))
     log("")
     log(format_table(rows, ENCODER_COLUMNS))
     log(_note("bits/weight and MiB: the Linear weights with their block and global scales. SQNR and max rel err: "
@@ -293,7 +323,8 @@ def run_encoder(formats, activations: Optional[str] = None, *, device, n_sentenc
 
 
 def run_causal_lm(variant_list: list, *, device, tokens: Optional[int] = None, articles: int = 200,
-                  window: int = 1024, stride: int = 512, new_tokens: int = 16, log=print) -> list:
+                  window: int = 1024, stride: int = 512, new_tokens: int = 16, log=print,
+                  calibration_size: tuple = CALIBRATION_SIZE["smollm2"]) -> list:
     """SmolLM2-135M: perplexity on wiki-<articles> (first `tokens` tokens if given) per variant."""
     model, tokenizer = load_smollm2()
     ids = tokenizer(wiki_text(articles), return_tensors="pt").input_ids[0]
@@ -305,7 +336,8 @@ def run_causal_lm(variant_list: list, *, device, tokens: Optional[int] = None, a
     log(f"SmolLM2-135M-Instruct on {device}: perplexity over {text}, window {window}, stride {stride}; "
         f"greedy continuation of {PROMPT!r}, {new_tokens} tokens")
     rows = evaluate_causal_lm(model, tokenizer, variant_list, ids, device=device, window=window, stride=stride,
-                              prompt=PROMPT, new_tokens=new_tokens, log=log)
+                              prompt=PROMPT, new_tokens=new_tokens, log=log,
+                              calibration=gptq_calibration(tokenizer, variant_list, calibration_size, log))
     log("")
     log(format_table(rows, CAUSAL_LM_COLUMNS))
     log(_note("Linear MiB: the quantized decoder Linears (lm_head, tied to the embedding, stays float32); "

@@ -3,10 +3,21 @@
 Buffers (all tensors are buffers, so .to(), state_dict() and meta-device loading work):
   weight_data, weight_scale, weight_global_scale (NVFP4 only), bias (optional)
       the canonical checkpoint layout of formats.QTensor (linear scale layout): persistent.
+  input_global_scale (optional, NVFP4 activations only)
+      a static encode scale for the activations (2688/amax of calibrated inputs, as
+      compressed-tensors stores it): persistent when set (set_input_global_scale); None means the
+      activations get a per-call global scale from their own amax.
   prepared_data, prepared_scale, prepared_global_scale
       what the device's backend reads (dispatch's Backend.prepare): non-persistent, rebuilt
       whenever the module changes device or loads a state_dict. For the reference backend they
       are the canonical tensors themselves, so no memory is spent twice.
+  prepared_rotation (rotated layers only)
+      the normalized Hadamard matrix [b, b] of the rotation, float32; rebuilt with the others.
+
+A rotated layer (`rotation` = b, 16 or 32: an attribute, given at construction and recorded in
+checkpoints) holds W R, R block-diagonal with one b x b Hadamard matrix per K block
+(quant/hadamard.py), and multiplies x R by it: forward rotates its input first (rotate_input), in
+torch ops on every backend; the rotation is not fused into the kernels yet.
 
 forward() is one call of the `microscale::linear` custom op (kernels/ops.py) on plain tensors,
 so torch.compile(fullgraph=True) and CUDA graph capture see no Python objects.
@@ -20,11 +31,11 @@ from torch import nn
 from ..formats.spec import FormatSpec, get_format
 from ..formats.tensor import QTensor, padded_k
 from ..kernels import ops
-from ..quant import quantize
+from ..quant import hadamard, quantize
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CANONICAL_BUFFERS = ("weight_data", "weight_scale", "weight_global_scale")
-PREPARED_BUFFERS = ("prepared_data", "prepared_scale", "prepared_global_scale")
+CANONICAL_BUFFERS = ("weight_data", "weight_scale", "weight_global_scale", "input_global_scale")
+PREPARED_BUFFERS = ("prepared_data", "prepared_scale", "prepared_global_scale", "prepared_rotation")
 
 
 def _reprepare_after_load(module, incompatible_keys):
@@ -37,7 +48,8 @@ class QuantizedLinear(nn.Module):
     Subclasses fix the element width (FP4Linear: NVFP4/MXFP4, FP8Linear: MXFP8). The constructor
     builds an all-zero layer (like nn.Linear on the meta device, for loading a quantized
     state_dict); from_linear() and from_qtensor() build one from weights. `activations` names a
-    format the inputs are quantized to (None: float inputs); `backend` pins a dispatch backend.
+    format the inputs are quantized to (None: float inputs); `backend` pins a dispatch backend;
+    `rotation` (16 or 32) marks weights stored block-wise Hadamard rotated (module docstring).
     """
 
     elem_bits: int
@@ -45,7 +57,7 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, fmt: Optional[str] = None,
                  activations: Optional[str] = None, backend: Optional[str] = None, device=None,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, rotation: Optional[int] = None):
         super().__init__()
         spec = get_format(fmt or self.default_format)
         if spec.elem_bits != self.elem_bits:
@@ -54,6 +66,10 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.fmt: FormatSpec = spec
         self.activations = ops.check_activations(activations)
+        if rotation is not None and (rotation not in hadamard.ROTATION_BLOCKS or self.in_features % rotation):
+            raise ValueError(f"{type(self).__name__}: rotation={rotation!r} needs a block size in "
+                             f"{hadamard.ROTATION_BLOCKS} that divides in_features={self.in_features}")
+        self.rotation = rotation
         self.backend_override = backend
         self.backend = None  # name of the backend the prepared tensors are for; set by prepare()
 
@@ -64,6 +80,7 @@ class QuantizedLinear(nn.Module):
                                                          device=device))
         g = torch.ones((), dtype=torch.float32, device=device) if spec.global_scale else None
         self.register_buffer("weight_global_scale", g)
+        self.register_buffer("input_global_scale", None)
         b = torch.zeros(out_features, dtype=dtype or torch.float32, device=device) if bias else None
         self.register_buffer("bias", b)
         for name in PREPARED_BUFFERS:
@@ -74,28 +91,38 @@ class QuantizedLinear(nn.Module):
     # ---- construction from weights -----------------------------------------------------------
     @classmethod
     def from_qtensor(cls, weight: QTensor, bias: Optional[torch.Tensor] = None, *,
-                     activations: Optional[str] = None, backend: Optional[str] = None) -> "QuantizedLinear":
-        """A layer holding `weight` (any scale layout; stored linear) and `bias` (kept as given)."""
+                     activations: Optional[str] = None, backend: Optional[str] = None,
+                     input_global_scale: Optional[torch.Tensor] = None,
+                     rotation: Optional[int] = None) -> "QuantizedLinear":
+        """A layer holding `weight` (any scale layout; stored linear) and `bias` (kept as given), with a
+        static input global scale if one is given (see set_input_global_scale). rotation: the block
+        of the Hadamard rotation `weight` was quantized under (it holds W R), or None."""
         out_features, in_features = weight.shape
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"{cls.__name__}.from_qtensor: bias of shape {tuple(bias.shape)} does not match "
                              f"out_features={out_features}")
         layer = cls(in_features, out_features, bias is not None, fmt=weight.fmt, activations=activations,
-                    backend=backend, device="meta")
+                    backend=backend, device="meta", rotation=rotation)
         w = weight.with_scale_layout("linear")
         layer.weight_data, layer.weight_scale, layer.weight_global_scale = w.data, w.scale, w.global_scale
         if bias is not None:
             layer.bias = bias.detach()
-        layer.prepare()
+        if input_global_scale is not None:
+            layer.set_input_global_scale(input_global_scale)  # prepares
+        else:
+            layer.prepare()
         return layer
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: Optional[str] = None, *, activations: Optional[str] = None,
-                    global_scale: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> "QuantizedLinear":
+                    global_scale: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+                    rotation: Optional[int] = None) -> "QuantizedLinear":
         """Quantize an nn.Linear's weight with the reference quantizer (on the weight's device).
 
         global_scale: NVFP4 encode scale to use (e.g. one shared by fused projections); computed
-        from the weight when None. A linear on the meta device gives an all-zero layer of its shape.
+        from the weight when None. rotation: quantize W R instead (a rotated layer, module docstring).
+        A linear on the meta device gives an all-zero layer of its shape. Other methods than
+        round-to-nearest: quantize_model(..., method=...).
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{cls.__name__}.from_linear: expected an nn.Linear, got {type(linear).__name__}")
@@ -103,9 +130,11 @@ class QuantizedLinear(nn.Module):
         if w.is_meta:
             return cls(linear.in_features, linear.out_features, linear.bias is not None, fmt=fmt,
                        activations=activations, backend=backend, device="meta",
-                       dtype=None if linear.bias is None else linear.bias.dtype)
+                       dtype=None if linear.bias is None else linear.bias.dtype, rotation=rotation)
+        if rotation is not None:
+            w = hadamard.rotate(w.float(), rotation)
         q = quantize(w, fmt or cls.default_format, global_scale=global_scale)
-        return cls.from_qtensor(q, linear.bias, activations=activations, backend=backend)
+        return cls.from_qtensor(q, linear.bias, activations=activations, backend=backend, rotation=rotation)
 
     # ---- weights and backend ---------------------------------------------------------------
     @property
@@ -120,10 +149,32 @@ class QuantizedLinear(nn.Module):
         g = self.weight_global_scale
         return self.qweight.nbytes + (0 if g is None else g.numel() * g.element_size())
 
+    def set_input_global_scale(self, scale) -> None:
+        """Quantize the NVFP4 activations with this static encode scale (float32, 2688/amax of the
+        calibrated inputs; inputs beyond that amax saturate), or with a per-call one if None."""
+        if scale is not None:
+            act = None if self.activations is None else get_format(self.activations)
+            if act is None or not act.global_scale:
+                raise ValueError(f"{type(self).__name__}.set_input_global_scale: a static input global scale needs "
+                                 f"NVFP4 activations; this layer has activations={self.activations}")
+            scale = torch.as_tensor(scale, dtype=torch.float32, device=self.weight_data.device).detach()
+            if scale.numel() != 1:
+                raise ValueError(f"{type(self).__name__}.set_input_global_scale: expected one value, got shape "
+                                 f"{tuple(scale.shape)}")
+            scale = scale.reshape(()).clone()
+            if not scale.is_meta and not (torch.isfinite(scale) and scale > 0):
+                raise ValueError(f"{type(self).__name__}.set_input_global_scale: the scale is {scale.item()}; it "
+                                 f"must be finite and > 0")
+        self.input_global_scale = scale
+        self.prepare()
+
     def prepare(self) -> None:
         """Select the backend for the weights' device and (re)build its prepared tensors."""
-        b = ops.select_linear_backend(self.fmt, self.weight_data.device, self.activations, self.backend_override)
+        b = ops.select_linear_backend(self.fmt, self.weight_data.device, self.activations, self.backend_override,
+                                      static_input=self.input_global_scale is not None)
         self.prepared_data, self.prepared_scale, self.prepared_global_scale = b.prepare(self.qweight)
+        self.prepared_rotation = None if self.rotation is None else hadamard.hadamard_matrix(
+            self.rotation, device=self.weight_data.device)
         self.backend = b.name
 
     def _apply(self, fn, recurse=True):
@@ -156,17 +207,24 @@ class QuantizedLinear(nn.Module):
         if x.dtype not in INPUT_DTYPES:
             raise TypeError(f"{type(self).__name__}: input dtype {x.dtype} not accepted; accepted: "
                             f"{', '.join(map(str, INPUT_DTYPES))}")
+        x = self.rotate_input(x)
         y = torch.ops.microscale.linear(
             x.reshape(-1, self.in_features), self.prepared_data, self.prepared_scale, self.prepared_global_scale,
-            self.bias, self.fmt.name, self.out_features, self.in_features, self.backend, self.activations)
+            self.bias, self.fmt.name, self.out_features, self.in_features, self.backend, self.activations,
+            self.input_global_scale)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations the quantized weight multiplies: x R for a rotated layer, else x."""
+        return x if self.rotation is None else hadamard.rotate(x, self.rotation, self.prepared_rotation)
 
     def extra_repr(self) -> str:
         kp = padded_k(self.in_features, self.fmt.block)
         padded = f" (padded to {kp})" if kp != self.in_features else ""
         return (f"in_features={self.in_features}{padded}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, fmt={self.fmt.name}, activations={self.activations}, "
-                f"backend={self.backend}")
+                f"bias={self.bias is not None}, fmt={self.fmt.name}, activations={self.activations}"
+                f"{' (static input scale)' if self.input_global_scale is not None else ''}, backend={self.backend}"
+                f"{'' if self.rotation is None else f', rotation=block_hadamard({self.rotation})'}")
 
 
 class FP4Linear(QuantizedLinear):

@@ -14,8 +14,13 @@ Rules, in the order they are applied to each module `name`:
   in_features smaller than one block, other modules with a 2-D weight (e.g. transformers' Conv1D).
 - in_features not a multiple of the block is zero-padded to the next block (QTensor records the
   logical K); the report lists the padded layers.
-- NVFP4: sibling projections that inference engines fuse (FUSED_PROJECTIONS under one parent)
-  share one global scale, the smallest of theirs (2688 / the group's amax), as vLLM requires.
+- NVFP4: sibling projections that inference engines fuse (fused_groups: FUSED_PROJECTIONS under one
+  parent) share one global scale, as vLLM requires: the smallest of theirs (2688 / the group's amax)
+  for method "rtn", one searched over the group for the others.
+Methods (quant/methods.py): "rtn" round to nearest (default), "search" per-block scale search,
+"gptq" GPTQ on calibration token ids (the model is run layer by layer). rotation=16 or 32 quantizes
+W R with a block-wise Hadamard R (quant/hadamard.py) and the layers rotate their inputs at run time;
+it needs every selected in_features to be a multiple of the rotation block.
 A model on the meta device gets all-zero quantized layers of the right shapes (to load a
 quantized state_dict with assign=True afterwards).
 """
@@ -26,12 +31,11 @@ from typing import Iterable, Optional
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..formats.spec import get_format
 from ..formats.tensor import padded_k
 from ..kernels import ops
-from ..quant import nvfp4_global_scale
+from ..quant.methods import check_method, quantize_weights
 from .linear import QuantizedLinear, quantized_linear_class
 
 DEFAULT_EXCLUDE = ("lm_head", "*embed*")
@@ -52,6 +56,8 @@ class LayerRecord:
 class QuantizationReport:
     fmt: str
     activations: Optional[str]
+    method: str = "rtn"
+    rotation: Optional[int] = None  # block of the Hadamard rotation, None when not rotated
     quantized: list = field(default_factory=list)  # LayerRecord
     skipped: list = field(default_factory=list)  # (name, reason)
     shared_global_scale: list = field(default_factory=list)  # tuples of layer names
@@ -73,9 +79,10 @@ class QuantizationReport:
 
     def __str__(self) -> str:
         act = f", activations {self.activations}" if self.activations else ""
+        rot = f" + block-wise Hadamard rotation ({self.rotation})" if self.rotation else ""
         lines = [
             f"quantize_model: {self.fmt}{act}: {len(self.quantized)} Linear layers quantized, "
-            f"{len(self.skipped)} skipped",
+            f"{len(self.skipped)} skipped (method {self.method}{rot})",
             f"  quantized weights: {_mib(self.bytes_before)} -> {_mib(self.bytes_after)}",
             f"  whole model (parameters + buffers): {_mib(self.model_bytes_before)} -> {_mib(self.model_bytes_after)}",
         ]
@@ -145,20 +152,17 @@ def _check_includes(model: nn.Module, include) -> None:
                                 f"nn.Linear layers can be quantized")
 
 
-def _fused_global_scales(selected: dict) -> tuple:
-    """NVFP4 encode global scale per layer name for fused sibling groups, and the groups."""
-    scales, groups = {}, []
-    for names in FUSED_PROJECTIONS:
-        parents = {n.rpartition(".")[0] for n in selected if n.rpartition(".")[2] in names}
-        for parent in sorted(parents):
+def fused_groups(names) -> list:
+    """Tuples of layer names that inference engines fuse into one GEMM (FUSED_PROJECTIONS siblings
+    under one parent, two or more present in `names`): they must share one NVFP4 global scale."""
+    groups = []
+    for members in FUSED_PROJECTIONS:
+        for parent in sorted({n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in members}):
             prefix = parent + "." if parent else ""
-            members = [prefix + n for n in names if prefix + n in selected]
-            if len(members) < 2 or any(selected[m].weight.is_meta for m in members):
-                continue
-            shared = torch.stack([nvfp4_global_scale(selected[m].weight.detach()) for m in members]).min()
-            scales.update({m: shared.clone() for m in members})  # own tensors: safetensors refuses shared storage
-            groups.append(tuple(members))
-    return scales, groups
+            group = tuple(prefix + m for m in members if prefix + m in names)
+            if len(group) > 1:
+                groups.append(group)
+    return groups
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -168,17 +172,26 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def quantize_model(model: nn.Module, fmt, *, include: Optional[Iterable[str]] = None,
                    exclude: Optional[Iterable[str]] = None, activations: Optional[str] = None,
-                   progress: bool = True) -> QuantizationReport:
+                   progress: bool = True, method: str = "rtn", calibration: Optional[torch.Tensor] = None,
+                   rotation: Optional[int] = None, **gptq_options) -> QuantizationReport:
     """Replace the model's nn.Linear layers by quantized ones in place; return what was done.
 
     fmt: "nvfp4" | "mxfp4" | "mxfp8". activations: format the Linear inputs are quantized to
-    (None keeps float inputs). See the module docstring for include/exclude and the skip rules.
+    (None keeps float inputs). method: "rtn" | "search" | "gptq". calibration: token ids [S, T]
+    for "gptq" (microscale.quant.calibration.calibration_ids). rotation: None, or 16 / 32 for a
+    block-wise Hadamard rotation. gptq_options: scale_mode (MX exponent rule, any method) and, for
+    "gptq", gptq_quantize's options (act_order, damp, lazy_batch, scales). See the module docstring
+    for include/exclude and the skip rules.
     """
     spec = get_format(fmt)
     activations = ops.check_activations(activations)
+    check_method(method, rotation)
+    if calibration is not None and method != "gptq":
+        raise ValueError(f"quantize_model: calibration data is used by method='gptq' only (method={method!r})")
     include = None if include is None else tuple(include)
     exclude = DEFAULT_EXCLUDE if exclude is None else tuple(exclude)
-    report = QuantizationReport(fmt=spec.name, activations=activations, model_bytes_before=model_bytes(model))
+    report = QuantizationReport(fmt=spec.name, activations=activations, method=method, rotation=rotation,
+                                model_bytes_before=model_bytes(model))
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
     if isinstance(model, nn.Linear):
@@ -197,10 +210,25 @@ def quantize_model(model: nn.Module, fmt, *, include: Optional[Iterable[str]] = 
         else:
             selected[name] = module
 
-    global_scales, report.shared_global_scale = _fused_global_scales(selected) if spec.global_scale else ({}, [])
+    if rotation is not None:
+        ragged = [n for n, m in selected.items() if m.in_features % rotation]
+        if ragged:
+            raise ValueError(f"quantize_model: rotation={rotation} needs in_features divisible by {rotation}; "
+                             f"{len(ragged)} layers are not, e.g. {ragged[0]!r} (in_features="
+                             f"{selected[ragged[0]].in_features}): exclude them")
+
+    # Meta layers (a model built for loading) become all-zero layers; the others are quantized by `method`.
+    real = {n: m for n, m in selected.items() if not m.weight.is_meta}
+    groups = fused_groups(real)
+    report.shared_global_scale = groups if spec.global_scale else []
+    qtensors = quantize_weights(model, real, spec, method=method, fused_groups=groups, calibration=calibration,
+                                rotation_block=rotation, progress=progress, **gptq_options)
     cls = quantized_linear_class(spec)
-    for name, linear in tqdm(selected.items(), desc=f"quantize {spec.name}", disable=not progress, unit="layer"):
-        layer = cls.from_linear(linear, spec, activations=activations, global_scale=global_scales.get(name))
+    for name, linear in selected.items():
+        if name in qtensors:
+            layer = cls.from_qtensor(qtensors[name], linear.bias, activations=activations, rotation=rotation)
+        else:
+            layer = cls.from_linear(linear, spec, activations=activations, rotation=rotation)
         _set_submodule(model, name, layer)
         kp = padded_k(linear.in_features, spec.block)
         report.quantized.append(LayerRecord(

@@ -10,9 +10,15 @@ device (no float weights are materialized), and puts quantized layers in place o
 Everything is read and checked against the model before the model is touched, so a bad checkpoint
 leaves a given model as it was.
 
-Static input scales (compressed-tensors input_global_scale, ModelOpt input_scale) are checked but not
-kept: FP4Linear quantizes activations with a per-call global scale. KV-cache scales (k_scale, v_scale)
-are not used either; they are skipped with a warning.
+Static input scales are kept: a layer with one (QuantizedLinear.input_global_scale, e.g. from
+quant.calibration.calibrate_input_scales) is written with compressed-tensors' input_global_scale and
+its input_activations declared "dynamic": "local" (block scales per call, global scale static);
+loading sets it from input_global_scale, or from ModelOpt's input_scale as 1 / input_scale.
+KV-cache scales (k_scale, v_scale) are not used; they are skipped with a warning.
+
+Rotated layers (quantize_model(..., rotation=b)) are written as a "microscale-rotated" checkpoint
+(formats/checkpoint.py: the compressed-tensors layout under a quant_method other loaders refuse);
+loading gives every quantized layer that rotation.
 """
 
 import fnmatch
@@ -56,7 +62,7 @@ def checkpoint_tensors(model: nn.Module) -> dict:
         module, _, name = key.rpartition(".")
         if module in layers and name in CANONICAL_BUFFERS:
             if name == CANONICAL_BUFFERS[0]:
-                tensors.update(qtensor_state(module, layers[module].qweight))
+                tensors.update(qtensor_state(module, layers[module].qweight, layers[module].input_global_scale))
             continue
         if t.is_meta:
             raise CheckpointError(f"save_quantized: tensor {key!r} is on the meta device (never loaded)")
@@ -70,7 +76,12 @@ def checkpoint_tensors(model: nn.Module) -> dict:
 def quantization_config(model: nn.Module) -> dict:
     layers = _quantized_layers(model)
     ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    return compressed_tensors_config({n: (m.fmt, m.activations, False) for n, m in layers.items()}, ignore)
+    schemes = {n: (m.fmt, m.activations, m.input_global_scale is not None) for n, m in layers.items()}
+    rotations = {m.rotation for m in layers.values()}
+    if len(rotations) > 1:
+        raise ValueError(f"save_quantized: the quantized layers have different rotations "
+                         f"{sorted(rotations, key=str)}; a checkpoint records one for all of them")
+    return compressed_tensors_config(schemes, ignore, rotation=rotations.pop())
 
 
 def _config_dict(model: nn.Module) -> dict:
@@ -187,7 +198,8 @@ def _plan_load(model: nn.Module, ck, directory: Path):
             what = "has no bias tensor" if bias is None else "has a bias but the model's layer has none"
             raise CheckpointError(f"{name}.bias: the checkpoint in {directory} {what}")
         act = entry.activations.name if entry.activations is not None else None
-        new_layers[name] = quantized_linear_class(q.fmt).from_qtensor(q, bias, activations=act)
+        new_layers[name] = quantized_linear_class(q.fmt).from_qtensor(
+            q, bias, activations=act, input_global_scale=ck.input_global_scales.get(name), rotation=ck.plan.rotation)
 
     kv_scales = [n for n in plain if n.rpartition(".")[2] in KV_CACHE_SCALES]
     if kv_scales:

@@ -14,12 +14,15 @@ A rotated checkpoint computes garbage unless the loader rotates the activations 
 is recorded in the checkpoint config (rotation_config) and loaders that cannot apply it must refuse.
 """
 
+from typing import Optional
+
 import torch
 
-# Checkpoint config entry: {"rotation": {"type": "block_hadamard", "block_size": b}} at the top
-# level of quantization_config. Absent means no rotation.
+# Checkpoint config entry: {"rotation": {"type": "block_hadamard", "block_size": b}} in the "microscale"
+# object of quantization_config (formats/checkpoint.py). Absent means no rotation.
 ROTATION_CONFIG_KEY = "rotation"
 ROTATION_TYPE = "block_hadamard"
+ROTATION_BLOCKS = (16, 32)  # the block sizes of NVFP4 and MX
 
 
 def hadamard_matrix(n: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -37,15 +40,16 @@ def _check_k(k: int, block: int, name: str) -> None:
         raise ValueError(f"{name}: K={k} is not a multiple of the rotation block {block}")
 
 
-def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
+def rotate(x: torch.Tensor, block: int, matrix: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] -> x R: every `block`-wide slice of the last dim times Hb (in x's dtype).
 
     The same call rotates a weight W [N, K] offline and the activations at run time; applied twice
-    it gives x back (R R = I).
+    it gives x back (R R = I). matrix: hadamard_matrix(block) on x's device, kept by a layer so that
+    no matrix is built (and copied to the GPU) per call.
     """
     k = x.shape[-1]
     _check_k(k, block, f"rotate (shape {tuple(x.shape)})")
-    h = hadamard_matrix(block, dtype=x.dtype, device=x.device)
+    h = hadamard_matrix(block, dtype=x.dtype, device=x.device) if matrix is None else matrix.to(x.dtype)
     return (x.reshape(*x.shape[:-1], k // block, block) @ h).reshape(x.shape)
 
 
@@ -72,7 +76,7 @@ def rotation_block_from_config(quantization_config: dict):
         return None
     ok = isinstance(entry, dict) and entry.get("type") == ROTATION_TYPE
     block = entry.get("block_size") if ok else None
-    if not isinstance(block, int) or block not in (16, 32):
+    if not isinstance(block, int) or block not in ROTATION_BLOCKS:
         raise ValueError(f"unsupported rotation in the checkpoint's quantization_config: {entry!r} "
                          f"(supported: type {ROTATION_TYPE!r}, block_size 16 or 32)")
     return block

@@ -83,12 +83,11 @@ def error_report(y, buffer, ref, magnitude, rel):
 
 
 # ---- CPU: the interpreter ------------------------------------------------------------------------
-def _interpreter_child(pair, seed):
-    """Runs in the TRITON_INTERPRET=1 subprocess; prints one JSON line per shape."""
+def patch_interpreter_index():
+    """triton 3.6's interpreter turns 1-element arrays into Python ints with int(), which numpy >= 2.4
+    refuses (triton-lang/triton#9171, fixed upstream by #9172 after 3.6); the same fix, applied here."""
     from triton.runtime import interpreter
 
-    # triton 3.6's interpreter turns 1-element arrays into Python ints with int(), which numpy >= 2.4
-    # refuses (triton-lang/triton#9171, fixed upstream by #9172 after 3.6); the same fix, applied here.
     patch = interpreter._patch_lang_tensor
 
     def _patch_lang_tensor(tensor, scope):
@@ -96,6 +95,11 @@ def _interpreter_child(pair, seed):
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+def _interpreter_child(pair, seed):
+    """Runs in the TRITON_INTERPRET=1 subprocess; prints one JSON line per shape."""
+    patch_interpreter_index()
     act, wt = pair
     for i, (m, n, k) in enumerate(INTERPRETER_SHAPES):
         a, w, bias = make_problem(act, wt, m, n, k, seed + i, "cpu", bias=i % 2 == 0)

@@ -72,7 +72,8 @@ def scaled_mm(a: QTensor, w_data: torch.Tensor, w_scale: torch.Tensor, w_global:
 
 
 def _gemm(x2d, data, scale, global_scale, bias, *, fmt, n, k, options):
-    """W4A4 / W8A8: the activations are quantized per call to the weight's format (required option)."""
+    """W4A4 / W8A8: the activations are quantized per call to the weight's format (required option);
+    NVFP4 with the static encode scale options["input_global_scale"] when given."""
     from ..quantize import quantize_gpu  # the activation quantizer lives with the Hopper kernels
 
     act = (options or {}).get("activations")
@@ -83,7 +84,7 @@ def _gemm(x2d, data, scale, global_scale, bias, *, fmt, n, k, options):
         raise ValueError(f"{BACKEND_NAME}: activations of shape {tuple(x2d.shape)} do not match K={k}")
     if x2d.shape[0] == 0:
         return x2d.new_empty(0, n)
-    a = quantize_gpu(x2d, fmt, scale_layout="swizzled")
+    a = quantize_gpu(x2d, fmt, global_scale=options.get("input_global_scale"), scale_layout="swizzled")
     return scaled_mm(a, data, scale, global_scale, bias, w_fmt=fmt, n=n, out_dtype=x2d.dtype)
 
 
@@ -100,6 +101,6 @@ BACKEND = register(Backend(
     available=_available,
     prepare=prepare_weight,
     gemm=_gemm,
-    options=frozenset({"activations"}),
+    options=frozenset({"activations", "input_global_scale"}),
     requires=frozenset({"activations"}),
 ))

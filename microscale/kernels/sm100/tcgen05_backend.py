@@ -3,9 +3,10 @@
     y[M, N] = dequant(quantize(x))[M, K] @ dequant(W)[N, K]^T * alpha (+ bias),   bf16 out
 
 W4A4 / W8A8: activations are quantized per call to the weight's format (NVFP4 with a per-call
-global scale, compressed-tensors convention), so the backend lists "activations" in its options and
-refuses calls that do not ask for them. alpha = 1 / (g_x * g_W) folds the two NVFP4 encode global
-scales in; MX formats have none.
+global scale, compressed-tensors convention, or the layer's static one: options["input_global_scale"]),
+so the backend lists "activations" in its options and refuses calls that do not ask for them.
+alpha = 1 / (g_x * g_W) folds the two NVFP4 encode global scales in, g_x as the activations were
+quantized with; MX formats have none.
 
 Variants (one template, descriptors.py and TmemPlan supply the numbers):
     cta_group 1: one CTA per 128 x 128 output tile;
@@ -146,17 +147,17 @@ def tensor_map_specs(variant: Variant, a_data, a_scale, b_data, b_scale) -> tupl
 # ---- operands ---------------------------------------------------------------------------------------
 
 
-def _quantize_activations(x2d: torch.Tensor, fmt: str) -> QTensor:
+def _quantize_activations(x2d: torch.Tensor, fmt: str, global_scale: Optional[torch.Tensor] = None) -> QTensor:
     """x in `fmt` with 128x4 swizzled scales: the fused quantize kernel on a GPU, the reference elsewhere
-    (the same bits)."""
+    (the same bits); NVFP4 with the encode `global_scale` when given (static), else one from x's amax."""
     from ...quant import quantize
 
     try:
         if x2d.is_cuda:
             from ..quantize import quantize_gpu
 
-            return quantize_gpu(x2d, fmt, scale_layout="swizzled")
-        return quantize(x2d, fmt, scale_layout="swizzled")
+            return quantize_gpu(x2d, fmt, global_scale=global_scale, scale_layout="swizzled")
+        return quantize(x2d, fmt, global_scale=global_scale, scale_layout="swizzled")
     except (TypeError, ValueError) as e:
         raise ValueError(f"{NAME}: activations x of shape {tuple(x2d.shape)} cannot be quantized to {fmt}: {e}") from e
 
@@ -225,7 +226,7 @@ def _gemm(x2d, data, scale, global_scale, bias, *, fmt, n, k, options):
                          f"options={{'activations': '{fmt}'}}, got {wanted!r}")
     if x2d.dim() != 2 or x2d.shape[1] != k:
         raise ValueError(f"{NAME}: activations of shape {tuple(x2d.shape)} do not match K={k}")
-    qx = _quantize_activations(x2d, fmt)
+    qx = _quantize_activations(x2d, fmt, (options or {}).get("input_global_scale"))
     alpha = None
     if get_format(fmt).global_scale:
         alpha = ((1.0 / qx.global_scale.float()) * (1.0 / global_scale.float())).reshape(1)  # no overflow of gx * gw
@@ -260,6 +261,6 @@ register(Backend(
     available=_available,
     prepare=prepare_weight,
     gemm=_gemm,
-    options=frozenset({"activations"}),
+    options=frozenset({"activations", "input_global_scale"}),
     requires=frozenset({"activations"}),
 ))

@@ -354,7 +354,8 @@ def _emulate_forced() -> bool:
 
 
 def _gemm(x2d, data, scale, global_scale, bias, *, fmt, n, k, options):
-    """W4A4 / W8A8: the activations are quantized per call to options["activations"] (required)."""
+    """W4A4 / W8A8: the activations are quantized per call to options["activations"] (required);
+    NVFP4 with the static encode scale options["input_global_scale"] when given."""
     from ..quantize import quantize_gpu  # the activation quantizer lives with the Hopper kernels
 
     act = (options or {}).get("activations")
@@ -370,7 +371,8 @@ def _gemm(x2d, data, scale, global_scale, bias, *, fmt, n, k, options):
         return x2d.new_empty(0, n)
     emulate = _emulate_forced()
     cfg = tile_config(act, wt, m, emulate)
-    a = quantize_gpu(x2d, act, scale_layout="linear" if cfg.swap_ab else "swizzled")
+    a = quantize_gpu(x2d, act, global_scale=options.get("input_global_scale"),
+                     scale_layout="linear" if cfg.swap_ab else "swizzled")
     out_dtype = x2d.dtype if x2d.dtype in _SUPPORTED_OUT else torch.bfloat16
     y = block_scaled_gemm(a, data, scale, global_scale, bias, w_fmt=wt, n=n, out_dtype=out_dtype,
                           emulate=emulate, config=cfg)
@@ -393,7 +395,7 @@ BACKEND = register(Backend(
     available=_available,
     prepare=prepare_weight,
     gemm=_gemm,
-    options=frozenset({"activations"}),
+    options=frozenset({"activations", "input_global_scale"}),
     requires=frozenset({"activations"}),
 ))
 
