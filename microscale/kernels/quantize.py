@@ -1,11 +1,40 @@
 """Fused quantize kernel (Triton, any CUDA GPU): [M, K] float -> packed codes + block scales.
 
-One pass over x: each program loads a [BLOCK_M, BLOCK_K] tile, takes the absolute maximum of every
-block of 16 (NVFP4) or 32 (MX) along K, encodes the block scale and the elements, packs E2M1 two
-per byte (low nibble = even K) and writes the scales directly in the requested layout (linear, or
-the 128x4 swizzled tile layout of formats.scale_layout). The result is bit-identical to the
-reference `microscale.quant.quantize(x, fmt, recipe="compressed-tensors", ...)`: the same float32
-operations in the same order, IEEE division (`div_rn`, never flushed to zero), RNE casts.
+One pass over x (two for NVFP4 without a given global scale: `amax_kernel` first), loaded 16
+bytes at a time; the codes are packed in registers and the scales go straight to the requested
+layout (linear, or the 128x4 swizzled tiles of formats.scale_layout). The result is
+bit-identical to the reference `microscale.quant.quantize(x, fmt, recipe="compressed-tensors", ...)`.
+
+Two thread layouts (TILE picks one per format; measured on the H200, bench/results/quantize_h200.json):
+- whole blocks per thread (NVFP4, MXFP4: bound by arithmetic): the block maximum, the block scale
+  and the packing stay in one thread, and per-block work is done once; a warp's 16-byte loads
+  stride over whole blocks, so each touches half (NVFP4) or a quarter (MX) of every sector.
+- SPREAD, lanes along the 16-byte chunks (MXFP8, bound by memory): every warp access is
+  contiguous; the block maximum takes shuffles and the 4 lanes of a block repeat its per-block work.
+
+How the per-element work stays cheap and exact (the FP4 kernels are ALU-bound otherwise):
+- NVFP4 divides every element by its block's d = scale / global_scale. A correctly rounded
+  division per element (div.rn: a reciprocal on the quarter-rate special-function unit plus a
+  range check) is replaced by one reciprocal per block and Markstein's correction step:
+  q0 = a * r, q = fma(fma(-q0, d, a), r, q0) with r = RN(1/d) gives RN(a/d) whenever no
+  intermediate leaves the normal range. Elements are first scaled by a power of two that brings
+  d into [2**-10, 2) and clipped at 6 * d, which keeps every element whose code depends on the
+  last bit of the quotient in that range (checked exhaustively for every d in [1, 2) and every
+  dividend near an E2M1 decision point). d depends only on the block's E4M3 scale code and the
+  global scale, so `nvfp4_divisor_table_kernel` prepares the per-block values once per call for
+  all 128 codes, and a block loads them with one 16-byte load.
+- E2M1 rounding is one float addition of 1.5 * 2**(22 + j), j = the binade above 2, to the
+  magnitude; the code is the sum's bits minus the constant's bits.
+- Which negative elements keep the sign bit (those whose quotient does not round to -0) is one
+  unsigned comparison of x's bits against a per-block threshold, exact for underflowing quotients.
+- MXFP8 elements use the hardware float32 -> e4m3 conversion (cvt.rn.satfinite.e4m3x2, sm_89+),
+  which rounds to nearest even and saturates as the reference's clamp-then-cast does. NVFP4
+  block scales are encoded with integer arithmetic instead: with the hardware conversion, the
+  H200 tests stored wrong scale bytes on ragged shapes (K not a multiple of 16, whose layout
+  differs) while the codes were right (triton 3.6; cause not isolated).
+Triton's interpreter (CPU tests) computes tl.fma as a rounded multiply plus a rounded add and
+does not round float8 casts to nearest even, so there (NATIVE=False) elements are divided with
+div_rn and encoded to E4M3 with integer arithmetic; everything else is the same code.
 
 Used for weights at load time and for activations at run time. It does not check for NaN/Inf
 (the reference rejects them; a check here would synchronize the GPU): non-finite input gives
@@ -13,42 +42,57 @@ unspecified codes.
 """
 
 import os
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ..formats.codec import E2M1_VALUES, ScaleMode
+from ..formats.codec import ScaleMode
 from ..formats.scale_layout import swizzled_scale_shape
 from ..formats.spec import E2M1_MAX, E4M3_MAX, E8M0_BIAS, get_format
 from ..formats.tensor import QTensor, padded_k
-from ..quant.reference import check_weight, nvfp4_global_scale
+from ..quant.hadamard import ROTATION_BLOCKS, hadamard_matrix
+from ..quant.reference import NVFP4_GLOBAL_NUMERATOR, check_weight
 
 _SCALE_MODE_CODE = {ScaleMode.FLOOR: 0, ScaleMode.RCEIL: 1, ScaleMode.CEIL: 2, ScaleMode.EVEN: 3}
 
-# E2M1 grid: step 0.5 below 2, 1 below 4, 2 up to 6 (the values of codec.E2M1_VALUES). Adding
-# 1.5 * 2**(22 + j) to a float rounds it to a multiple of 2**(j - 1), to nearest even, in one IEEE
-# addition; the sum's bits minus the constant's bits count the steps.
-GRID_LOW, GRID_MID = tl.constexpr(E2M1_VALUES[4]), tl.constexpr(E2M1_VALUES[6])  # 2.0, 4.0
-ROUND_HALF, ROUND_ONE, ROUND_TWO = tl.constexpr(1.5 * 2**22), tl.constexpr(1.5 * 2**23), tl.constexpr(1.5 * 2**24)
+ROUND_BITS = 0x4AC00000  # float32 bits of 1.5 * 2**22: adding it rounds to a multiple of 0.5
+CODE_BIAS = ROUND_BITS - (127 << 23) + 2 * 127  # see _e2m1_code_biased
+
+
+def _int32(v: int) -> int:
+    """v mod 2**32 as a signed int32 value."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+# CODE_BIAS in every nibble of a word of 8 (int32) or 4 (int16) codes
+WORD_BIAS_8, WORD_BIAS_4 = tl.constexpr(_int32(CODE_BIAS * 0x11111111)), tl.constexpr(_int32(CODE_BIAS * 0x1111))
+ROUND_BITS = tl.constexpr(ROUND_BITS)
 NVFP4_ZERO_SCALE = tl.constexpr(0.125)  # compressed-tensors replaces a zero block scale by this
 NVFP4_ZERO_SCALE_BITS = tl.constexpr(0x20)  # its E4M3 code
+GLOBAL_NUMERATOR = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)
 ELEM_MAX_FP4 = tl.constexpr(E2M1_MAX)
 ELEM_MAX_FP8 = tl.constexpr(E4M3_MAX)
 BIAS = tl.constexpr(E8M0_BIAS)
+# the entries' magnitude of the normalized Hadamard matrices, float32 (0.25 and RN(2**-2.5))
+HADAMARD_NORM_16, HADAMARD_NORM_32 = (tl.constexpr(float(hadamard_matrix(b)[0, 0])) for b in (16, 32))
 
 
 @triton.jit
-def _e2m1_codes(y):
-    """float32 with |y| <= 6 -> E2M1 code (int32), round to nearest even, sign bit for y < 0
-    (codec.e2m1_encode: also for values that round to zero)."""
-    a = tl.abs(y)
-    low = a < GRID_LOW
-    mid = a < GRID_MID
-    c = tl.where(low, ROUND_HALF, tl.where(mid, ROUND_ONE, ROUND_TWO))
-    steps = (a + c).to(tl.int32, bitcast=True) - c.to(tl.int32, bitcast=True)
-    mag = steps + tl.where(low, 0, tl.where(mid, 2, 4))  # codes of 2.0 and 4.0 are 4 and 6
-    return mag | ((y < 0).to(tl.int32) << 3)
+def _e2m1_code_biased(q, neg):
+    """float32 q in [0, 6 + a few ulp] and a sign flag -> the E2M1 code of q (round to nearest
+    even), sign bit 8 where neg, plus CODE_BIAS (int32): callers subtract the bias once per word.
+
+    The grid steps by 2**(j - 1) in binade j = max(exponent, 0) (j = 0 below 2, 1 below 4, 2
+    above): adding c = 1.5 * 2**(22 + j) rounds q to that step in one IEEE addition, the sum's
+    bits minus c's bits count the steps, and binade j starts at code 2 * j. With e = j + 127,
+    code = bits(q + c) - c + 2 * j = bits(q + c) + e * (2 - 2**23) - CODE_BIAS.
+    """
+    e = tl.maximum(q.to(tl.int32, bitcast=True) >> 23, 127)
+    c = (e << 23) + (ROUND_BITS - (127 << 23))
+    return (q + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) + e * (2 - (1 << 23)) + tl.where(neg, 8, 0)
 
 
 @triton.jit
@@ -56,7 +100,7 @@ def _e4m3_bits(v):
     """float32 with |v| <= 448 -> E4M3 bits (int32), round to nearest even, as codec.e4m3_encode.
 
     Integer arithmetic rather than a cast, so the interpreter (whose float8 casts do not round to
-    nearest even) and the GPU compute the same bits.
+    nearest even) computes the same bits as the GPU.
     """
     bits = v.to(tl.int32, bitcast=True)
     sign = ((bits >> 31) & 1) << 7
@@ -74,6 +118,28 @@ def _e4m3_value(b):
     normal = ((mag << 20) + ((127 - 7) << 23)).to(tl.float32, bitcast=True)
     value = tl.where(mag >= 8, normal, mag.to(tl.float32) * 0.001953125)  # subnormal: m * 2**-9
     return tl.where((b & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def _hadamard_rotate(x, R: tl.constexpr):
+    """x [A, B, C, V] float32 -> x R: every R consecutive elements of a row of (C, V) (R divides
+    C * V) times hadamard_matrix(R), in float32 and in a fixed order (module docstring).
+
+    log2(R) butterfly stages of constant geometry: each adds and subtracts the pairs of adjacent
+    elements and puts the sums before the differences (split, join, permute: register renaming
+    where a thread holds the whole run), which applies [[1, 1], [1, -1]] to the lowest index bit
+    and rotates the bits down by one; after log2(R) stages every bit had its turn and is back in
+    place, and Sylvester's H_R = [[1, 1], [1, -1]] tensored log2(R) times has been applied. Then
+    one multiply by float32(1 / sqrt(R)), exact for R = 16.
+    """
+    A: tl.constexpr = x.shape[0]
+    B: tl.constexpr = x.shape[1]
+    N: tl.constexpr = x.shape[2] * x.shape[3] // R
+    y = tl.reshape(x, (A, B, N, R))
+    for _ in tl.static_range(4 if R == 16 else 5):
+        lo, hi = tl.split(tl.reshape(y, (A, B, N, R // 2, 2)))
+        y = tl.reshape(tl.permute(tl.join(lo + hi, lo - hi), (0, 1, 2, 4, 3)), (A, B, N, R))
+    return tl.reshape(y * (HADAMARD_NORM_16 if R == 16 else HADAMARD_NORM_32), x.shape)
 
 
 @triton.jit
@@ -114,6 +180,17 @@ def _pow2(e):
 
 
 @triton.jit
+def _sign_threshold(d):
+    """Per block divisor d > 0 (up to inf) -> T (uint32) such that x / d rounds to a float32 < 0
+    exactly when x's bits, read as uint32, exceed T: x < 0 and |x| > F, F the largest float32
+    <= d * 2**-150 (a quotient at most 2**-150 rounds to -0, which e2m1_encode codes as 0)."""
+    exact = d >= 16777216.0  # d * 2**-150 is then a normal float32 (two exact scalings)
+    f_bits = tl.where(exact, ((d * 7.888609052210118e-31) * 8.881784197001252e-16).to(tl.int32, bitcast=True),
+                      (tl.minimum(d, 16777216.0) * 0.5).to(tl.int32))  # else F = floor(d / 2) * 2**-149: bits floor(d / 2)
+    return f_bits.to(tl.uint32, bitcast=True) | 0x80000000
+
+
+@triton.jit
 def _scale_offsets(rows, cols, n_cols, SWIZZLED: tl.constexpr):
     """Byte offsets of scale (row, col): linear [rows, n_cols], or formats.scale_layout's 128x4 tiles."""
     if SWIZZLED:
@@ -124,87 +201,218 @@ def _scale_offsets(rows, cols, n_cols, SWIZZLED: tl.constexpr):
 
 
 @triton.jit
-def quantize_kernel(
-    X, DATA, SCALE, G, M, K, n_cols, stride_xm,
-    FMT: tl.constexpr, MODE: tl.constexpr, SWIZZLED: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """FMT 0 = NVFP4 (compressed-tensors recipe), 1 = MXFP4, 2 = MXFP8; MODE = _SCALE_MODE_CODE."""
-    NB: tl.constexpr = BLOCK_K // BLOCK
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                mask=row_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
-    x = tl.reshape(x, (BLOCK_M, NB, BLOCK))
-    amax = tl.max(tl.abs(x), axis=2)
+def _divisor(d):
+    """What dividing exactly by a block divisor d > 0 (up to inf) takes, see quantize_kernel:
+    (p, -d * p, RN(1 / (d * p)), sign threshold), p a power of two that brings d into [2**-10, 2).
+    d = inf gets p = 0 and d * p = 1: every x / inf is 0."""
+    finite = d < float("inf")
+    p = tl.where(finite, _pow2(tl.minimum(tl.maximum(-_floor_ceil_log2(d)[0], -127), 127)), 0.0)
+    dd = tl.where(finite, d * p, 1.0)
+    return p, -dd, tl.div_rn(tl.full(dd.shape, 1.0, tl.float32), dd), _sign_threshold(d)
 
-    if FMT == 0:
+
+@triton.jit
+def nvfp4_divisor_table_kernel(G, AMAX, TABLE, G_FROM_AMAX: tl.constexpr):
+    """TABLE[c] = _divisor(scale / g) for every E4M3 scale code c (code 0 stands for the 0.125 that
+    replaces a zero scale), as 4 float32 (the threshold's bits). g: given in G, or 2688 / amax
+    from AMAX (float32 bits, from amax_kernel), 1.0 when that is not finite (as
+    reference.nvfp4_global_scale), then written to G."""
+    if G_FROM_AMAX:
+        amax = tl.load(AMAX).to(tl.float32, bitcast=True)
+        g = tl.div_rn(tl.full([], GLOBAL_NUMERATOR, tl.float32), amax)
+        g = tl.where(g < float("inf"), g, 1.0)
+        tl.store(G, g)
+    else:
         g = tl.load(G)
-        s = tl.div_rn(amax, ELEM_MAX_FP4) * g
-        s_bits = _e4m3_bits(tl.minimum(tl.maximum(s, -ELEM_MAX_FP8), ELEM_MAX_FP8))
-        s = _e4m3_value(s_bits)
-        s_bits = tl.where(s == 0, NVFP4_ZERO_SCALE_BITS, s_bits)
-        s = tl.where(s == 0, NVFP4_ZERO_SCALE, s)
-        scale_bits = s_bits.to(tl.uint8)
-        y = tl.div_rn(x, tl.div_rn(s, g)[:, :, None])
+    code = tl.arange(0, 128)
+    s = tl.where(code == 0, NVFP4_ZERO_SCALE, _e4m3_value(code))
+    p, neg_dd, rcp, threshold = _divisor(tl.div_rn(s, g))
+    entry = TABLE + code * 4
+    tl.store(entry, p)
+    tl.store(entry + 1, neg_dd)
+    tl.store(entry + 2, rcp)
+    tl.store(entry + 3, threshold.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def amax_kernel(X, AMAX, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROTATION: tl.constexpr = 0):
+    """AMAX (int32, zeroed) = float32 bits of max |x| (of max |x R| with a ROTATION, R computed as
+    quantize_kernel does): an atomic integer max, which orders non-negative floats as their values."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
+    if ROTATION:
+        x = tl.reshape(_hadamard_rotate(tl.reshape(x.to(tl.float32), (1, BLOCK_M, BLOCK_K // ROTATION, ROTATION)),
+                                        ROTATION), (BLOCK_M, BLOCK_K))
+    amax = tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
+    tl.atomic_max(AMAX, amax.to(tl.int32, bitcast=True))
+
+
+@triton.jit(do_not_specialize=["M", "n_cols"])  # masks and scale offsets only: fewer variants to compile
+def quantize_kernel(
+    X, DATA, SCALE, G, TABLE, M, K, n_cols, stride_xm,
+    FMT: tl.constexpr, MODE: tl.constexpr, SWIZZLED: tl.constexpr, NATIVE: tl.constexpr,
+    BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, SPREAD: tl.constexpr,
+    ROTATION: tl.constexpr = 0,
+):
+    """FMT 0 = NVFP4 (compressed-tensors recipe), 1 = MXFP4, 2 = MXFP8; MODE = _SCALE_MODE_CODE.
+
+    A program quantizes BLOCK_M rows x BLOCKS blocks. Tile element (j, m, c, e) is
+    x[row m, (block j) * BLOCK + c * VEC + e]: e runs over one 16-byte load. Triton gives lanes to
+    the first dimensions that are not contiguous in memory, so with j first lanes run along K
+    blocks (warps along rows) and the chunks c of a block stay in one thread; SPREAD loads and
+    stores in (c, j, m, e) order, so lanes run along c first. Stores whose natural vectorization
+    differs from the computed layout get contiguity 1 (tl.max_contiguous), which avoids a layout
+    conversion through shared memory.
+    DATA is int32 (VEC = 8: eight E2M1 codes per word), int16 (VEC = 4) or uint8 (MXFP8).
+    NATIVE (False under the interpreter): divide and convert with fma / float8 hardware.
+    ROTATION (16 or 32, 0 for none): quantize x R instead of x (_hadamard_rotate, in registers
+    right after the load; the whole run of R elements must be in one thread: not SPREAD).
+    """
+    C: tl.constexpr = BLOCK // VEC
+    cols = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    chunk = tl.arange(0, C)
+    e = tl.arange(0, VEC)
+    if SPREAD:  # load as (c, j, m, e): lanes run along the 16-byte chunks of a row
+        ks = (cols * BLOCK)[None, :, None, None] + (chunk * VEC)[:, None, None, None] + e[None, None, None, :]
+        r4 = rows[None, None, :, None]
+        x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0)
+        x = tl.permute(x, (1, 2, 0, 3)).to(tl.float32)
+    else:
+        ks = (cols * BLOCK)[:, None, None, None] + (chunk * VEC)[None, None, :, None] + e[None, None, None, :]
+        r4 = rows[None, :, None, None]
+        x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0).to(tl.float32)
+    if ROTATION:
+        x = _hadamard_rotate(x, ROTATION)
+    amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BLOCKS, BLOCK_M]
+
+    # Per block: the scale code, and what dividing by the block's divisor d takes (x / d is the
+    # element before rounding): a power of two p, -d * p, RN(1 / (d * p)) and the sign threshold.
+    if FMT == 0:
+        s = tl.minimum(tl.div_rn(amax, ELEM_MAX_FP4) * tl.load(G), ELEM_MAX_FP8)
+        code = _e4m3_bits(s)
+        scale_bits = tl.where(code == 0, NVFP4_ZERO_SCALE_BITS, code)
+        entry = TABLE + code[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        even, odd = tl.split(tl.reshape(tl.load(entry), (BLOCKS, BLOCK_M, 2, 2)))
+        p, rcp = tl.split(even)
+        neg_dd, threshold = tl.split(odd)
+        threshold = threshold.to(tl.uint32, bitcast=True)
+        clip = (neg_dd * -ELEM_MAX_FP4)[:, :, None, None]  # x / d clipped at 6
     else:
         EMAX: tl.constexpr = 2 if FMT == 1 else 8
         MBITS: tl.constexpr = 1 if FMT == 1 else 3
         ELEM_MAX: tl.constexpr = ELEM_MAX_FP4 if FMT == 1 else ELEM_MAX_FP8
-        b = _e8m0_from_amax(amax, MODE, ELEM_MAX, EMAX, MBITS)
-        scale_bits = b.to(tl.uint8)
-        y = x * _pow2(-(b - BIAS))[:, :, None]
-    y = tl.reshape(y, (BLOCK_M, BLOCK_K))
+        scale_bits = _e8m0_from_amax(amax, MODE, ELEM_MAX, EMAX, MBITS)
+        p = _pow2(-(scale_bits - BIAS))
+        threshold = _sign_threshold(_pow2(scale_bits - BIAS))
+        clip = ELEM_MAX_FP4
 
     kp = n_cols * BLOCK  # K padded to whole blocks: padded columns get zero codes
+    store_ok = (cols < n_cols)[:, None, None] & (rows < M)[None, :, None]
     if FMT == 2:
-        q = _e4m3_bits(tl.minimum(tl.maximum(y, -ELEM_MAX_FP8), ELEM_MAX_FP8)).to(tl.uint8)
-        tl.store(DATA + rows[:, None].to(tl.int64) * kp + ks[None, :], q,
-                 mask=row_ok[:, None] & (ks < kp)[None, :])
+        y = x * p[:, :, None, None]
+        if NATIVE:
+            q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            q = _e4m3_bits(tl.minimum(tl.maximum(y, -ELEM_MAX_FP8), ELEM_MAX_FP8)).to(tl.uint8)
+        offs = (rows[None, :, None, None].to(tl.int64) * kp + (cols * BLOCK)[:, None, None, None]
+                + (chunk * VEC)[None, None, :, None] + e[None, None, None, :])
+        if SPREAD:
+            offs, q, ok = tl.permute(offs, (2, 0, 1, 3)), tl.permute(q, (2, 0, 1, 3)), tl.permute(store_ok, (2, 0, 1))
+            tl.store(DATA + offs, q, mask=ok[:, :, :, None])
+        else:
+            tl.store(DATA + offs, q, mask=store_ok[:, :, :, None])
     else:
-        codes = _e2m1_codes(tl.minimum(tl.maximum(y, -ELEM_MAX_FP4), ELEM_MAX_FP4))
-        lo, hi = tl.split(tl.reshape(codes, (BLOCK_M, BLOCK_K // 2, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        tl.store(DATA + rows[:, None].to(tl.int64) * (kp // 2) + kb[None, :], packed,
-                 mask=row_ok[:, None] & (kb < kp // 2)[None, :])
+        a = tl.abs(x) * p[:, :, None, None]
+        # RCEIL and CEIL scales bring every MX |x| * p to at most 6 (RCEIL: times 1 + 2**-23,
+        # which still rounds to 6), FLOOR and EVEN not; NVFP4's block scale is rounded to E4M3
+        if (FMT == 0) | (MODE == 0) | (MODE == 3):
+            a = tl.minimum(a, clip)
+        if FMT == 0:  # a = RN(a / (d * p))
+            neg_dd = neg_dd[:, :, None, None]
+            if NATIVE:
+                rcp = rcp[:, :, None, None]
+                q0 = a * rcp
+                a = tl.fma(tl.fma(q0, neg_dd, a), rcp, q0)
+            else:
+                a = tl.div_rn(a, -neg_dd)
+        neg = x.to(tl.uint32, bitcast=True) > threshold[:, :, None, None]
+        shift = (4 * e)[None, None, None, :]  # code of element e -> nibble e (low nibble = even K)
+        codes = _e2m1_code_biased(a, neg) << shift
+        words = tl.sum(codes, axis=3) - (WORD_BIAS_8 if VEC == 8 else WORD_BIAS_4)  # [BLOCKS, BLOCK_M, C]
+        if VEC == 4:
+            words = words.to(tl.int16)
+        offs = rows[None, :, None].to(tl.int64) * (kp // VEC) + (cols * C)[:, None, None] + chunk[None, None, :]
+        if SPREAD:  # one word per lane, as computed (not the C words of a block in one thread)
+            ptrs = tl.max_contiguous(DATA + tl.permute(offs, (2, 0, 1)), [1, 1, 1])
+            tl.store(ptrs, tl.permute(words, (2, 0, 1)), mask=tl.permute(store_ok, (2, 0, 1)))
+        else:
+            tl.store(DATA + offs, words, mask=store_ok)
 
-    cols = pid_k * NB + tl.arange(0, NB)
-    offs = _scale_offsets(rows[:, None], cols[None, :], n_cols, SWIZZLED)
-    tl.store(SCALE + offs, scale_bits, mask=row_ok[:, None] & (cols < n_cols)[None, :])
+    # one byte per thread, as computed: contiguity the store would otherwise vectorize over (two
+    # blocks of one thread) costs a layout conversion through shared memory
+    ptrs = tl.max_contiguous(SCALE + _scale_offsets(rows[None, :], cols[:, None], n_cols, SWIZZLED), [1, 1])
+    tl.store(ptrs, scale_bits.to(tl.uint8), mask=(cols < n_cols)[:, None] & (rows < M)[None, :])
 
 
 def _check_input(x: torch.Tensor):
     check_weight(x, "quantize_gpu: x", finite=False)
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not (x.is_cuda or _interpreted()):
         raise ValueError(f"quantize_gpu: x must be on a CUDA device, got {x.device}")
 
 
-def _global_scale(x: torch.Tensor, global_scale) -> torch.Tensor:
-    """The NVFP4 encode global scale as a float32 1-element tensor on x's device."""
-    if global_scale is None:
-        return nvfp4_global_scale(x).reshape(1)
+def _check_rotation(rotation, spec, k: int):
+    if rotation is None:
+        return
+    if rotation not in ROTATION_BLOCKS or spec.block % rotation:
+        raise ValueError(f"quantize_gpu: rotation={rotation!r} must be one of {ROTATION_BLOCKS} and divide "
+                         f"{spec.name}'s block of {spec.block}")
+    if k % rotation:
+        raise ValueError(f"quantize_gpu: K={k} of x is not a multiple of the rotation block {rotation}")
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _given_global_scale(x: torch.Tensor, global_scale) -> torch.Tensor:
+    """A given NVFP4 encode global scale as a float32 1-element tensor on x's device."""
     if not isinstance(global_scale, torch.Tensor):
         g = float(global_scale)
         if not (g > 0 and g != float("inf")):
             raise ValueError(f"quantize_gpu: global_scale must be finite and > 0, got {g}")
-    g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(1)
-    return g
+    return torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(1)
+
+
+AMAX_BLOCK_M, AMAX_BLOCK_K = 16, 1024
+# (BLOCK_M, BLOCKS, num_warps, SPREAD) per format: lanes run along K blocks (SPREAD: along the 16-byte
+# chunks of the blocks), warps and registers along rows
+TILE = {"nvfp4": (8, 32, 4, False), "mxfp4": (4, 32, 4, False), "mxfp8": (8, 32, 8, True)}
+# with a rotation, whole blocks per thread for MXFP8 too (the butterflies then stay in registers);
+# MXFP4's tile, not tuned
+ROTATED_TILE = {**TILE, "mxfp8": TILE["mxfp4"]}
 
 
 def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMode.RCEIL,
-                 scale_layout: str = "swizzled") -> QTensor:
+                 scale_layout: str = "swizzled", config=None, rotation: Optional[int] = None) -> QTensor:
     """Quantize x [M, K] (bf16/fp16/fp32, CUDA) along K; bit-identical to the reference quantizer.
 
     Same result as `quant.quantize(x, fmt, recipe="compressed-tensors", scale_mode=..., global_scale=...,
     scale_layout=...)`. NVFP4's global scale (encode, 448*6/amax) is computed on the GPU when not
-    given; a given tensor is used as is (not checked, to avoid a host synchronization).
+    given (one more pass over x); a given tensor is used as is (not checked, to avoid a host
+    synchronization). config: (BLOCK_M, BLOCKS, num_warps, SPREAD), for tuning; TILE's (ROTATED_TILE's
+    with a rotation) by default.
+
+    rotation: b (16 or 32, dividing the format's block and K) quantizes x R instead, R the block-wise
+    Hadamard rotation of quant/hadamard.py, computed in registers (x R never goes to memory); the
+    NVFP4 global scale, when computed, is that of x R. The result is the reference's quantization of
+    float32 values that the module docstring bounds against exact x R.
     """
     spec = get_format(fmt)
     _check_input(x)
+    _check_rotation(rotation, spec, x.shape[1])
     if x.stride(1) != 1:
         x = x.contiguous()
     if scale_layout not in ("linear", "swizzled"):
@@ -214,6 +422,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
     m, k = x.shape
     kp = padded_k(k, spec.block)
     n_cols = kp // spec.block
+    vec = 16 // x.element_size()
     data = torch.empty(m, kp // 2 if spec.packed else kp, dtype=spec.data_dtype, device=x.device)
     if scale_layout == "swizzled":
         shape = swizzled_scale_shape(m, n_cols)
@@ -221,17 +430,32 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
         scale = (torch.zeros if padded else torch.empty)(shape, dtype=torch.uint8, device=x.device)
     else:
         scale = torch.empty(m, n_cols, dtype=torch.uint8, device=x.device)
-    g = _global_scale(x, global_scale) if spec.global_scale else None
 
-    block_k = 128 if spec.block == 32 else 64
-    block_m = 32
-    grid = (triton.cdiv(m, block_m), triton.cdiv(kp, block_k))
+    g = table = None
+    if spec.global_scale:
+        table = torch.empty(128, 4, dtype=torch.float32, device=x.device)
+        if global_scale is None:
+            g = torch.empty(1, dtype=torch.float32, device=x.device)
+            amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+            amax_kernel[(triton.cdiv(m, AMAX_BLOCK_M), triton.cdiv(k, AMAX_BLOCK_K))](
+                x, amax, m, k, x.stride(0), BLOCK_M=AMAX_BLOCK_M, BLOCK_K=AMAX_BLOCK_K, ROTATION=rotation or 0,
+                num_warps=8)
+        else:
+            g, amax = _given_global_scale(x, global_scale), None
+        nvfp4_divisor_table_kernel[(1,)](g, amax if amax is not None else g, table, G_FROM_AMAX=amax is not None,
+                                         num_warps=4)
+
+    block_m, blocks, warps, spread = config or (ROTATED_TILE if rotation else TILE)[spec.name]
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n_cols, blocks))
     fmt_code = 0 if spec.global_scale else (1 if spec.packed else 2)
+    word = data.view(torch.uint8) if not spec.packed else data.view(torch.int32 if vec == 8 else torch.int16)
     quantize_kernel[grid](
-        x, data.view(torch.uint8), scale, g if g is not None else scale,
+        x, word, scale, g if g is not None else scale, table if table is not None else scale,
         m, k, n_cols, x.stride(0),
         FMT=fmt_code, MODE=_SCALE_MODE_CODE[ScaleMode(scale_mode)], SWIZZLED=scale_layout == "swizzled",
-        BLOCK=spec.block, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        NATIVE=not _interpreted(),
+        BLOCK=spec.block, VEC=vec, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=rotation or 0,
+        num_warps=warps,
     )
     return QTensor(data=data, scale=scale.view(spec.scale_dtype), fmt=spec, shape=(m, k),
                    global_scale=None if g is None else g.reshape(()), scale_layout=scale_layout,

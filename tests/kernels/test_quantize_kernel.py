@@ -4,9 +4,14 @@ The CPU tests run the Triton kernel under TRITON_INTERPRET=1 in a subprocess (th
 set before triton is imported) on tiny shapes; the GPU tests run it on the H200 on larger ones.
 The interpreter flushes bf16 subnormals when converting to float32, so there subnormals are fed
 as float32 only; the GPU tests feed them in every dtype.
-The kernel encodes E4M3 with integer arithmetic (not a float8 cast), so the interpreter runs the
-very code the GPU runs. Inputs: Gaussian data over many binades, zeros, all-zero rows and blocks,
-subnormals, values near the format maxima and exact E2M1 rounding ties; ragged M and K.
+On the GPU the kernel divides NVFP4 elements by a per-block reciprocal and one correction step
+and encodes MXFP8 elements with the hardware float8 conversion; under the interpreter (whose
+tl.fma rounds twice and whose float8 casts do not round to nearest even) it divides with div_rn
+and encodes with integer arithmetic. So the GPU tests add inputs aimed at that division: elements
+within a few ulp of every E2M1 decision point for many divisors, and global scales that push the
+divisors to overflow, to subnormals and the quotients to underflow.
+Inputs: Gaussian data over many binades, zeros, all-zero rows and blocks, subnormals, values near
+the format maxima and exact E2M1 rounding ties; ragged M and K.
 """
 
 import os
@@ -51,9 +56,9 @@ def assert_bit_identical(a, r):
     assert a.shape == r.shape and a.scale_layout == r.scale_layout
 
 
-def _run_cases(device, shapes, dtypes, seed, interpreted=False):
+def _run_cases(device, shapes, dtypes, seed, interpreted=False, cases=CASES):
     from microscale.kernels.quantize import quantize_gpu
-    for fmt, mode in CASES:
+    for fmt, mode in cases:
         for dtype in dtypes:
             for m, k in shapes:
                 # the interpreter converts bf16 to float32 with subnormals flushed (the GPU does not)
@@ -67,13 +72,65 @@ def _run_cases(device, shapes, dtypes, seed, interpreted=False):
                                                                                           scale_layout="swizzled"))
 
 
+# E2M1 decision points: a quotient rounds up past each of these (float32 midpoints next to the
+# ties 0.25 .. 5 of codec.e2m1_encode), so dividends near d times them test the division's last bit
+E2M1_DECISIONS = [0.25 + 2**-26, 0.75 - 2**-25, 1.25 + 2**-24, 1.75 - 2**-24, 2.5 + 2**-23, 3.5 - 2**-23, 5 + 2**-22]
+
+
+def near_decisions(rows, g, seed):
+    """float32 [rows, 16]: per row (one NVFP4 block) a block maximum and 15 elements within 3 ulp
+    of d * (an E2M1 decision point, or an exact tie), d the block's divisor for global scale g,
+    computed as the reference does."""
+    from microscale.formats import e4m3_encode
+    gen = torch.Generator().manual_seed(seed)
+    amax = torch.exp2(torch.rand(rows, generator=gen) * 24 - 12) * (1 + torch.rand(rows, generator=gen))
+    g = torch.tensor(g, dtype=torch.float32)
+    s = e4m3_encode(amax / torch.full_like(amax, 6.0) * g).float()
+    s = torch.where(s == 0, torch.full_like(s, 0.125), s)
+    d = s / g
+    points = torch.tensor(E2M1_DECISIONS + [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    pick = points[torch.randint(0, len(points), (rows, 15), generator=gen)]
+    x = (pick * d.double()[:, None]).float()  # the nearest float32 to d * point
+    ulps = torch.randint(-3, 4, (rows, 15), generator=gen, dtype=torch.int32)
+    x = (x.view(torch.int32) + ulps).view(torch.float32)
+    x = torch.where(torch.rand(rows, 15, generator=gen) < 0.5, -x, x)
+    return torch.cat([amax[:, None], x], 1)
+
+
+def extreme_blocks(rows, seed):
+    """float32 [rows, 512]: each NVFP4 block spans 2**30 below a block maximum between 2**-135 and
+    2**120, and holds a negative element between 2**-149 and 2**-100 (quotients that underflow)."""
+    gen = torch.Generator().manual_seed(seed)
+    top = torch.randint(-135, 121, (rows, 32, 1), generator=gen).float()
+    x = torch.randn(rows, 32, 16, generator=gen) * torch.exp2(top - 30 * torch.rand(rows, 32, 16, generator=gen))
+    x[:, :, 1] = -torch.exp2(torch.randint(-149, -99, (rows, 32), generator=gen).float())
+    return x.reshape(rows, 512)
+
+
+DECISION_SCALES = [3.5, 1e-3, 7e5]  # global scales for near_decisions
+EXTREME_SCALES = [1e-40, 3e-30, 1.0, 1e30, 3e38]  # for extreme_blocks
+
+
+def _run_division_cases(device, blocks, rows, seed, near=DECISION_SCALES, extreme=EXTREME_SCALES):
+    from microscale.kernels.quantize import quantize_gpu
+    for g in near:
+        x = near_decisions(blocks, g, seed).reshape(-1, 256)
+        assert_bit_identical(quantize_gpu(x.to(device), "nvfp4", global_scale=g),
+                             quantize(x, "nvfp4", global_scale=g, scale_layout="swizzled"))
+    for g in extreme:
+        x = extreme_blocks(rows, seed)
+        assert_bit_identical(quantize_gpu(x.to(device), "nvfp4", global_scale=g),
+                             quantize(x, "nvfp4", global_scale=g, scale_layout="swizzled"))
+
+
 _INTERPRETED = """
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, {root!r})
 import torch
-from tests.kernels.test_quantize_kernel import _run_cases
+from tests.kernels.test_quantize_kernel import _run_cases, _run_division_cases
 _run_cases("cpu", [(5, 40), (33, 96)], [torch.bfloat16, torch.float32], {seed}, interpreted=True)
+_run_division_cases("cpu", 1 << 10, 16, {seed})
 print("ok")
 """
 
@@ -86,9 +143,25 @@ def test_quantize_kernel_interpreted(seed):
 
 
 @pytest.mark.gpu
-def test_quantize_kernel_gpu(seed):
-    _run_cases("cuda", [(1, 16), (5, 40), (130, 200), (257, 1056)], [torch.bfloat16, torch.float16, torch.float32],
-               seed)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", CASES, ids=[f"{f}-{m.value}" for f, m in CASES])
+def test_quantize_kernel_gpu(case, dtype, seed):
+    _run_cases("cuda", [(1, 16), (5, 40), (130, 200), (257, 1056)], [dtype], seed, cases=[case])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g", DECISION_SCALES)
+def test_quantize_kernel_gpu_division_near_decisions(g, seed):
+    """NVFP4 elements within 3 ulp of every E2M1 decision point, for 2**18 block divisors."""
+    _run_division_cases("cuda", 1 << 18, 0, seed, near=[g], extreme=[])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g", EXTREME_SCALES)
+def test_quantize_kernel_gpu_extreme_global_scale(g, seed):
+    """Block divisors that overflow to inf (every x / inf is 0), that are subnormal, and quotients
+    that underflow (a negative element whose quotient rounds to -0 gets code 0, not the sign bit)."""
+    _run_division_cases("cuda", 0, 256, seed, near=[], extreme=[g])
 
 
 @pytest.mark.gpu
@@ -100,3 +173,41 @@ def test_quantize_kernel_rejects_bad_input():
         quantize_gpu(torch.zeros(4, 32, device="cuda", dtype=torch.int32), "mxfp4")
     with pytest.raises(ValueError, match="no global scale"):
         quantize_gpu(torch.zeros(4, 32, device="cuda"), "mxfp8", global_scale=1.0)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_quantize_kernel_sass_sm90(fmt, tmp_path):
+    """The kernel compiled for sm_90 on the CPU (the format's TILE, bf16 x, K a multiple of 16)
+    keeps the structure its speed rests on: 16-byte loads of x, 8- or 16-byte stores of the codes,
+    no local memory; with whole blocks per thread no shared memory (a layout conversion and its
+    barrier) at all; MXFP8 converts with the hardware float8 instruction."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from microscale.formats import get_format
+    from microscale.kernels import quantize as qk
+
+    spec = get_format(fmt)
+    block_m, blocks, warps, spread = qk.TILE[spec.name]
+    constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True,
+                      BLOCK=spec.block, VEC=8, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread)
+    signature = {"X": "*bf16", "DATA": "*i32" if spec.packed else "*u8", "SCALE": "*u8", "G": "*fp32",
+                 "TABLE": "*fp32", "M": "i32", "K": "i32", "n_cols": "i32", "stride_xm": "i32"}
+    src = ASTSource(qk.quantize_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                    constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 8)})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = set(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass))
+    assert "LDG.E.128" in ops
+    assert ops & {"STG.E.64", "STG.E.128"}
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
+    if not spread:
+        assert compiled.metadata.shared == 0 and not any(o.startswith(("BAR", "LDS", "STS")) for o in ops)
+    if fmt == "mxfp8":
+        assert any(o.startswith("F2FP.SATFINITE.E4M3") for o in ops)
