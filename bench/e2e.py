@@ -17,8 +17,8 @@ stay bf16, its default). Per format and batch size, in one process:
     KV cache update, attention, lm_head, greedy argmax, position increment) is captured in one CUDA
     graph and replayed, so the step time is GPU time. Its first tokens are checked against eager.
 
-Memory: weight bytes = parameters + buffers of the model (storages counted once; for a backend
-whose prepared layout differs from the checkpoint layout both are resident and both count), and
+Memory: weight bytes = parameters + buffers of the model (storages counted once; whatever is
+resident counts: on sm90 only the prepared layout, unless a layer keeps its canonical copy), and
 the peak allocated during (b). Results go to --out (JSON) and, with --markdown, into the section
 between the E2E markers of that file (appended when absent).
 """

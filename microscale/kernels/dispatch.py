@@ -5,7 +5,10 @@ sm100-nvrtc). At load time `prepare` turns a canonical QTensor into the tensors 
 family's kernels read (a re-layout done once); at call time `gemm` picks the kernel for
 M and the options and runs y = x @ dequant(W).T (+ bias). Modules store the prepared
 tensors as buffers and pass them back in, so the call is one op on plain tensors
-(torch.compile and CUDA graphs see no Python objects).
+(torch.compile and CUDA graphs see no Python objects). A backend whose prepared tensors are a
+different layout may give `unprepare`, its inverse; modules keep only the prepared copy of a
+weight the inverse gives back bit for bit, and rebuild the canonical tensors with it when they
+need them (checkpoints, device moves).
 
 Order of preference: the first available backend that supports the format and options.
 Override with `backend=` or the environment variable MICROSCALE_BACKEND;
@@ -33,6 +36,9 @@ class Backend:
     gemm: Callable[..., torch.Tensor]  # (x2d, data, scale, global_scale, bias, *, fmt, n, k, options) -> [M, N]
     options: frozenset = field(default_factory=frozenset)  # option names it honours (e.g. "activations")
     requires: frozenset = field(default_factory=frozenset)  # options it cannot run without (W4A4 kernels)
+    # (prepared, fmt, shape, global_scale) -> the canonical QTensor prepare was given (global_scale:
+    # the NVFP4 one, passed back in); None where prepare keeps the canonical tensors (the reference)
+    unprepare: Optional[Callable[[Prepared, str, tuple, Optional[torch.Tensor]], QTensor]] = None
 
 
 _BACKENDS: dict = {}

@@ -15,6 +15,12 @@ one (`input_global_scale`, the encode scale 2688/amax of calibrated inputs): inp
 calibrated amax then saturate (block scale clamped at E4M3's 448, elements at E2M1's 6). A native
 backend gets a static scale only if it lists "input_global_scale" in its options; otherwise the
 activations are emulated here with it.
+
+Rotated layers (quant/hadamard.py: weights W R, the op multiplies x R): the op gets the b x b
+Hadamard matrix and rotates x itself. Emulated low-precision activations on CUDA with b dividing
+the activation format's block are rotated inside the activation quantize kernel (quantize_gpu's
+`rotation`: x R never goes to memory); elsewhere (CPU, NVFP4 with b = 32, float activations,
+native low-precision backends) x R is a torch op before the quantizer or the GEMM.
 """
 
 from typing import Optional
@@ -22,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..formats.spec import get_format
-from ..quant import quantize
+from ..quant import hadamard, quantize
 from .dispatch import Backend, get_backend, select_backend
 
 
@@ -37,14 +43,21 @@ def quantizer_for(device: torch.device):
     return quantize
 
 
-def quantize_dequantize_activations(x2d: torch.Tensor, fmt: str,
-                                    global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def quantize_dequantize_activations(x2d: torch.Tensor, fmt: str, global_scale: Optional[torch.Tensor] = None,
+                                    rotation: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] rounded to `fmt` along K, returned in x's dtype; NVFP4 with `global_scale` (encode)
-    when given, else with one from x's amax."""
+    when given, else with one from x's amax. rotation: hadamard_matrix(b), to round x R instead
+    (rotated in float32: in the quantize kernel where it can, module docstring)."""
     if x2d.shape[0] == 0:
         return x2d
-    q = quantizer_for(x2d.device)(x2d, fmt, global_scale=global_scale, scale_layout="linear")
-    return q.dequantize(x2d.dtype)
+    quantizer, dtype, fused = quantizer_for(x2d.device), x2d.dtype, {}
+    if rotation is not None:
+        b = rotation.shape[0]
+        if quantizer is not quantize and get_format(fmt).block % b == 0:  # the kernel rotates
+            fused["rotation"] = b
+        else:
+            x2d = hadamard.rotate(x2d.float(), b, rotation)
+    return quantizer(x2d, fmt, global_scale=global_scale, scale_layout="linear", **fused).dequantize(dtype)
 
 
 @torch.library.custom_op("microscale::linear", mutates_args=())
@@ -60,9 +73,11 @@ def linear(
     backend: str,
     activations: Optional[str],
     input_global_scale: Optional[torch.Tensor] = None,
+    rotation: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequant(W).T (+ bias) with W as prepared by `backend`; the activations
-    quantized to `activations` (if given), NVFP4 with the static `input_global_scale` (if given)."""
+    quantized to `activations` (if given), NVFP4 with the static `input_global_scale` (if given);
+    x R instead of x with `rotation` = hadamard_matrix(b) (module docstring)."""
     b = get_backend(backend)
     options = {}
     if activations is not None:
@@ -72,12 +87,16 @@ def linear(
             if input_global_scale is not None:
                 options["input_global_scale"] = input_global_scale
         else:
-            x = quantize_dequantize_activations(x, activations, input_global_scale)
+            x = quantize_dequantize_activations(x, activations, input_global_scale, rotation)
+            rotation = None  # x R is what was quantized
+    if rotation is not None:
+        x = hadamard.rotate(x, rotation.shape[0], rotation)
     return b.gemm(x, data, scale, global_scale, bias, fmt=fmt, n=n, k=k, options=options)
 
 
 @linear.register_fake
-def _linear_fake(x, data, scale, global_scale, bias, fmt, n, k, backend, activations, input_global_scale=None):
+def _linear_fake(x, data, scale, global_scale, bias, fmt, n, k, backend, activations, input_global_scale=None,
+                 rotation=None):
     return x.new_empty((x.shape[0], n))
 
 

@@ -36,6 +36,21 @@ Triton's interpreter (CPU tests) computes tl.fma as a rounded multiply plus a ro
 does not round float8 casts to nearest even, so there (NATIVE=False) elements are divided with
 div_rn and encoded to E4M3 with integer arithmetic; everything else is the same code.
 
+Rotation (`rotation=b`: quant/hadamard.py's block-wise Hadamard R, for rotated layers' activations):
+x R is computed in registers right after the load, per run of b elements along K
+(`_hadamard_rotate`): log2(b) butterfly stages of float32 additions and subtractions in a fixed
+order, then one multiply by float32(1 / sqrt(b)) (exact for b = 16). Only additions come before
+that multiply, so there is nothing to contract into an fma: the GPU, the interpreter and
+`amax_kernel` (whose NVFP4 global scale is then that of the very values quantized) compute the same
+float32 values, and the codes are the reference quantizer's of them. Each is within
+(log2(b) + 3) * 2**-24 * sum|run| / sqrt(b) (+ 2**-149 below the normal range) of the exact x R:
+every term passes through log2(b) rounded additions, and the constant and the multiply round once
+each. So codes differ from those of a float64 rotation rounded to float32 only where the two
+rotated values differ, at rounding boundaries (tests/kernels/test_quantize_rotation.py). The sums
+before the multiply reach b * max|x|: inputs need max|x| <= float32's max / b (1e37 for b = 32);
+beyond that the codes are unspecified, as for non-finite input. The butterflies are register
+renaming where a thread holds whole runs, so MXFP8 drops SPREAD when rotating (ROTATED_TILE).
+
 Used for weights at load time and for activations at run time. It does not check for NaN/Inf
 (the reference rejects them; a check here would synchronize the GPU): non-finite input gives
 unspecified codes.
@@ -239,13 +254,20 @@ def amax_kernel(X, AMAX, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.con
     """AMAX (int32, zeroed) = float32 bits of max |x| (of max |x R| with a ROTATION, R computed as
     quantize_kernel does): an atomic integer max, which orders non-negative floats as their values."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
-    if ROTATION:
-        x = tl.reshape(_hadamard_rotate(tl.reshape(x.to(tl.float32), (1, BLOCK_M, BLOCK_K // ROTATION, ROTATION)),
-                                        ROTATION), (BLOCK_M, BLOCK_K))
-    amax = tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
+    if ROTATION:  # tiled as quantize_kernel's whole blocks per thread (runs of R along K for blocks), so
+        # that each thread holds whole runs and the butterflies stay in registers
+        VEC: tl.constexpr = 128 // X.dtype.element_ty.primitive_bitwidth
+        runs = tl.program_id(1) * (BLOCK_K // ROTATION) + tl.arange(0, BLOCK_K // ROTATION)
+        ks = (runs * ROTATION)[:, None, None, None] + (tl.arange(0, ROTATION // VEC) * VEC)[None, None, :, None] \
+            + tl.arange(0, VEC)[None, None, None, :]
+        r4 = rows[None, :, None, None]
+        x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0).to(tl.float32)
+        amax = tl.max(tl.reshape(tl.abs(_hadamard_rotate(x, ROTATION)), (BLOCK_M * BLOCK_K,)), axis=0)
+    else:
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=(rows < M)[:, None] & (ks < K)[None, :], other=0.0)
+        amax = tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
     tl.atomic_max(AMAX, amax.to(tl.int32, bitcast=True))
 
 
@@ -267,8 +289,8 @@ def quantize_kernel(
     conversion through shared memory.
     DATA is int32 (VEC = 8: eight E2M1 codes per word), int16 (VEC = 4) or uint8 (MXFP8).
     NATIVE (False under the interpreter): divide and convert with fma / float8 hardware.
-    ROTATION (16 or 32, 0 for none): quantize x R instead of x (_hadamard_rotate, in registers
-    right after the load; the whole run of R elements must be in one thread: not SPREAD).
+    ROTATION (16 or 32, 0 for none): quantize x R instead of x (_hadamard_rotate, right after the
+    load; without data movement where a thread holds whole blocks, i.e. not SPREAD).
     """
     C: tl.constexpr = BLOCK // VEC
     cols = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
@@ -366,9 +388,10 @@ def _check_input(x: torch.Tensor):
 def _check_rotation(rotation, spec, k: int):
     if rotation is None:
         return
-    if rotation not in ROTATION_BLOCKS or spec.block % rotation:
-        raise ValueError(f"quantize_gpu: rotation={rotation!r} must be one of {ROTATION_BLOCKS} and divide "
-                         f"{spec.name}'s block of {spec.block}")
+    if not isinstance(rotation, int) or rotation not in ROTATION_BLOCKS or spec.block % rotation:
+        got = rotation if isinstance(rotation, int) else f"a {type(rotation).__name__}"
+        raise ValueError(f"quantize_gpu: rotation must be the block size b of the Hadamard rotation, one of "
+                         f"{ROTATION_BLOCKS} dividing {spec.name}'s block of {spec.block}; got {got}")
     if k % rotation:
         raise ValueError(f"quantize_gpu: K={k} of x is not a multiple of the rotation block {rotation}")
 

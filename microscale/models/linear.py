@@ -3,6 +3,11 @@
 Buffers (all tensors are buffers, so .to(), state_dict() and meta-device loading work):
   weight_data, weight_scale, weight_global_scale (NVFP4 only), bias (optional)
       the canonical checkpoint layout of formats.QTensor (linear scale layout): persistent.
+      weight_data and weight_scale are resident only where the backend reads them as they are
+      (the reference) or cannot rebuild them: when its prepared tensors are another layout and its
+      Backend.unprepare gives this weight back bit for bit (sm90), prepare() sets them to None and
+      the prepared copy is the only one. They are rebuilt from it whenever they are needed: qweight,
+      state_dict() (the same keys and bits), load_state_dict, .to() and re-preparing.
   input_global_scale (optional, NVFP4 activations only)
       a static encode scale for the activations (2688/amax of calibrated inputs, as
       compressed-tensors stores it): persistent when set (set_input_global_scale); None means the
@@ -10,14 +15,16 @@ Buffers (all tensors are buffers, so .to(), state_dict() and meta-device loading
   prepared_data, prepared_scale, prepared_global_scale
       what the device's backend reads (dispatch's Backend.prepare): non-persistent, rebuilt
       whenever the module changes device or loads a state_dict. For the reference backend they
-      are the canonical tensors themselves, so no memory is spent twice.
+      are the canonical tensors themselves, so no memory is spent twice either way.
   prepared_rotation (rotated layers only)
       the normalized Hadamard matrix [b, b] of the rotation, float32; rebuilt with the others.
 
 A rotated layer (`rotation` = b, 16 or 32: an attribute, given at construction and recorded in
 checkpoints) holds W R, R block-diagonal with one b x b Hadamard matrix per K block
-(quant/hadamard.py), and multiplies x R by it: forward rotates its input first (rotate_input), in
-torch ops on every backend; the rotation is not fused into the kernels yet.
+(quant/hadamard.py), and multiplies x R by it: forward passes the Hadamard matrix to the op
+(kernels/ops.py), which rotates quantized activations (W4A4, W8A8) inside the activation quantize
+kernel on CUDA where b divides their block, and otherwise (float activations: weight-only; the CPU)
+with a torch op before the quantizer or the GEMM.
 
 forward() is one call of the `microscale::linear` custom op (kernels/ops.py) on plain tensors,
 so torch.compile(fullgraph=True) and CUDA graph capture see no Python objects.
@@ -31,15 +38,22 @@ from torch import nn
 from ..formats.spec import FormatSpec, get_format
 from ..formats.tensor import QTensor, padded_k
 from ..kernels import ops
+from ..kernels.dispatch import get_backend
 from ..quant import hadamard, quantize
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CANONICAL_BUFFERS = ("weight_data", "weight_scale", "weight_global_scale", "input_global_scale")
 PREPARED_BUFFERS = ("prepared_data", "prepared_scale", "prepared_global_scale", "prepared_rotation")
+WEIGHT_BUFFERS = ("weight_data", "weight_scale", "weight_global_scale", "prepared_data", "prepared_scale",
+                  "prepared_global_scale")
 
 
 def _reprepare_after_load(module, incompatible_keys):
     module.prepare()
+
+
+def _same_bits(a: QTensor, b: QTensor) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in ((a.data, b.data), (a.scale, b.scale)))
 
 
 class QuantizedLinear(nn.Module):
@@ -139,15 +153,21 @@ class QuantizedLinear(nn.Module):
     # ---- weights and backend ---------------------------------------------------------------
     @property
     def qweight(self) -> QTensor:
-        """The canonical weight as a QTensor (shares storage with the buffers)."""
-        return QTensor(data=self.weight_data, scale=self.weight_scale, fmt=self.fmt,
-                       shape=(self.out_features, self.in_features), global_scale=self.weight_global_scale)
+        """The canonical weight as a QTensor: sharing storage with the buffers while they are
+        resident, else rebuilt from the prepared copy (new tensors each call)."""
+        shape = (self.out_features, self.in_features)
+        if self.weight_data is None:
+            prepared = (self.prepared_data, self.prepared_scale, self.prepared_global_scale)
+            return get_backend(self.backend).unprepare(prepared, self.fmt, shape, self.weight_global_scale)
+        return QTensor(data=self.weight_data, scale=self.weight_scale, fmt=self.fmt, shape=shape,
+                       global_scale=self.weight_global_scale)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the canonical weight (elements, block scales and global scale; bias excluded)."""
-        g = self.weight_global_scale
-        return self.qweight.nbytes + (0 if g is None else g.numel() * g.element_size())
+        """Bytes the weight holds on its device (bias excluded): the canonical tensors that are
+        resident plus the prepared ones that are not those."""
+        held = {id(t): t for name in WEIGHT_BUFFERS if (t := self._buffers[name]) is not None}
+        return sum(t.numel() * t.element_size() for t in held.values())
 
     def set_input_global_scale(self, scale) -> None:
         """Quantize the NVFP4 activations with this static encode scale (float32, 2688/amax of the
@@ -157,7 +177,8 @@ class QuantizedLinear(nn.Module):
             if act is None or not act.global_scale:
                 raise ValueError(f"{type(self).__name__}.set_input_global_scale: a static input global scale needs "
                                  f"NVFP4 activations; this layer has activations={self.activations}")
-            scale = torch.as_tensor(scale, dtype=torch.float32, device=self.weight_data.device).detach()
+            held = self.prepared_data if self.weight_data is None else self.weight_data  # where the weight is
+            scale = torch.as_tensor(scale, dtype=torch.float32, device=held.device).detach()
             if scale.numel() != 1:
                 raise ValueError(f"{type(self).__name__}.set_input_global_scale: expected one value, got shape "
                                  f"{tuple(scale.shape)}")
@@ -169,18 +190,47 @@ class QuantizedLinear(nn.Module):
         self.prepare()
 
     def prepare(self) -> None:
-        """Select the backend for the weights' device and (re)build its prepared tensors."""
-        b = ops.select_linear_backend(self.fmt, self.weight_data.device, self.activations, self.backend_override,
+        """Select the backend for the weights' device and (re)build its prepared tensors; keep the
+        canonical weight_data and weight_scale only if the backend cannot give them back exactly."""
+        w = self.qweight
+        device = w.data.device
+        b = ops.select_linear_backend(self.fmt, device, self.activations, self.backend_override,
                                       static_input=self.input_global_scale is not None)
-        self.prepared_data, self.prepared_scale, self.prepared_global_scale = b.prepare(self.qweight)
+        prepared = b.prepare(w)
+        self.prepared_data, self.prepared_scale, self.prepared_global_scale = prepared
         self.prepared_rotation = None if self.rotation is None else hadamard.hadamard_matrix(
-            self.rotation, device=self.weight_data.device)
+            self.rotation, device=device)
         self.backend = b.name
+        # checked on every weight: what the backend's layout does not keep (layout docstrings)
+        # is rare in checkpoints, and such a layer simply keeps both copies
+        rebuildable = b.unprepare is not None and _same_bits(b.unprepare(prepared, self.fmt, w.shape,
+                                                                          w.global_scale), w)
+        self.weight_data, self.weight_scale = (None, None) if rebuildable else (w.data, w.scale)
+
+    def _restore_canonical(self) -> None:
+        """Make weight_data and weight_scale resident again (rebuilt from the prepared copy)."""
+        if self.weight_data is None:
+            w = self.qweight
+            self.weight_data, self.weight_scale = w.data, w.scale
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        released = self.weight_data is None
+        self._restore_canonical()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if released:
+            self.weight_data = self.weight_scale = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # the loader checks shapes against (or copies into) the canonical buffers; the
+        # post-load hook prepares again
+        self._restore_canonical()
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         # The format fixes the quantized buffers' dtypes, so fn (a device move, to_empty, a dtype
         # cast from model.to(torch.bfloat16)) is applied to their bytes: it moves them but never
         # casts them. The bias follows fn like any float buffer. Prepared tensors are rebuilt.
+        self._restore_canonical()
         for name in PREPARED_BUFFERS:
             self._buffers[name] = None
         kept = {}
@@ -207,15 +257,15 @@ class QuantizedLinear(nn.Module):
         if x.dtype not in INPUT_DTYPES:
             raise TypeError(f"{type(self).__name__}: input dtype {x.dtype} not accepted; accepted: "
                             f"{', '.join(map(str, INPUT_DTYPES))}")
-        x = self.rotate_input(x)
         y = torch.ops.microscale.linear(
             x.reshape(-1, self.in_features), self.prepared_data, self.prepared_scale, self.prepared_global_scale,
             self.bias, self.fmt.name, self.out_features, self.in_features, self.backend, self.activations,
-            self.input_global_scale)
+            self.input_global_scale, self.prepared_rotation)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The activations the quantized weight multiplies: x R for a rotated layer, else x."""
+        """The activations the quantized weight multiplies: x R for a rotated layer, else x (in torch
+        ops and x's dtype; forward leaves the rotation to the op, which fuses it where it can)."""
         return x if self.rotation is None else hadamard.rotate(x, self.rotation, self.prepared_rotation)
 
     def extra_repr(self) -> str:

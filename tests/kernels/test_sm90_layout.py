@@ -1,4 +1,4 @@
-"""The Hopper weight layout (sm90/layout.py), checked on the CPU.
+"""The Hopper weight layout (sm90/layout.py) and its inverse, checked on the CPU.
 
 `emulate_decode` replays what one thread of the decode kernel does with its 16-byte word group:
 the same integer ops as the kernel's inline PTX (written out here again, from decode.py's asm), the
@@ -11,8 +11,9 @@ on the GPU (test_sm90_gemm.py).
 import pytest
 import torch
 
-from microscale.formats import ScaleMode
-from microscale.kernels.sm90.layout import padded_shape, shuffle_weights
+from microscale.formats import QTensor, ScaleMode, get_format, pack_fp4
+from microscale.formats.tensor import padded_k
+from microscale.kernels.sm90.layout import padded_shape, shuffle_weights, unshuffle_weights
 from microscale.quant import quantize
 
 
@@ -113,3 +114,104 @@ def test_nan_block_scale_is_rejected():
     s[3, 1] = 0xFF
     with pytest.raises(ValueError, match="NaN"):
         shuffle_weights(q.replace(scale=s))
+
+
+# ---- unshuffle_weights: the inverse, bit for bit ----------------------------------------------
+def _assert_same_bits(got: QTensor, want: QTensor):
+    assert got.shape == want.shape and got.scale_layout == "linear"
+    assert got.data.dtype == want.data.dtype and got.scale.dtype == want.scale.dtype
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))
+    assert got.global_scale is want.global_scale
+
+
+def _roundtrip(q: QTensor) -> QTensor:
+    data, scale, row_mult = shuffle_weights(q)
+    return unshuffle_weights(data, scale, row_mult, q.fmt.name, q.shape, q.global_scale)
+
+
+def _random_qtensor(fmt: str, n: int, k: int, g: torch.Generator) -> QTensor:
+    """Every element code (E4M3 NaN excluded), blocks of signed zeros, and block scales over the
+    whole range our quantizers write: NVFP4 positive E4M3 (subnormals to 448) and a global scale
+    from 2**-40 to 2**40; MX E8M0 spread over up to 253 binades within a row (prepare's limit),
+    exponent 0 for a block of zeros (as e8m0_from_amax writes it)."""
+    spec = get_format(fmt)
+    kp = padded_k(k, spec.block)
+    cols = kp // spec.block
+    codes = torch.randint(0, 16 if spec.packed else 256, (n, kp), generator=g, dtype=torch.uint8)
+    if not spec.packed:
+        codes = torch.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes)  # E4M3 NaN -> 0x7E / 0xFE
+    codes[:, k:] = 0  # the block padding the quantizers write
+    zero = torch.rand(n, cols, generator=g) < 0.2
+    sign = 0x8 if spec.packed else 0x80
+    zeros = torch.randint(0, 2, (n, kp), generator=g, dtype=torch.uint8) * sign  # +0 and -0
+    codes = torch.where(zero.repeat_interleave(spec.block, 1), zeros, codes)
+    data = pack_fp4(codes) if spec.packed else codes.view(torch.float8_e4m3fn)
+    if spec.global_scale:
+        scale = torch.randint(0x01, 0x7F, (n, cols), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        gs = torch.exp2(torch.empty((), dtype=torch.float64).uniform_(-40, 40, generator=g)).float()
+        return QTensor(data=data, scale=scale, fmt=spec, shape=(n, k), global_scale=gs)
+    top = torch.randint(0, 255, (n, 1), generator=g)
+    span = torch.randint(0, 254, (n, 1), generator=g)  # a row's exponents lie in [top - span, top]
+    b = top - (torch.rand(n, cols, generator=g) * (span + 1)).long().clamp(max=span)
+    b = b.clamp(min=0)
+    scale = torch.where(zero, torch.zeros_like(b), b).to(torch.uint8)
+    return QTensor(data=data, scale=scale, fmt=spec, shape=(n, k))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("shape", [(1, 16), (16, 64), (50, 200), (130, 96), (129, 300), (7, 520)])
+def test_unshuffle_inverts_shuffle_on_random_codes(fmt, shape, seed):
+    q = _random_qtensor(fmt, *shape, torch.Generator().manual_seed(seed))
+    _assert_same_bits(_roundtrip(q), q)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+@pytest.mark.parametrize("shape", [(16, 64), (50, 200), (130, 96)])
+@pytest.mark.parametrize("kind", ["normal", "wide", "edges"])
+def test_unshuffle_inverts_shuffle_on_quantized_weights(fmt, shape, kind, seed):
+    q = quantize(_weights(*shape, kind, seed), fmt, scale_mode=ScaleMode.RCEIL)
+    _assert_same_bits(_roundtrip(q), q)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_exponent_span_limits(fmt, seed):
+    """Codes come back exactly over the 253 binades prepare accepts (the kernels are exact over
+    126 only: emulate_decode above); a span of 254 is refused."""
+    q = _random_qtensor(fmt, 16, 128, torch.Generator().manual_seed(seed))
+    data = torch.zeros_like(q.data.view(torch.uint8)) | (0x11 if q.fmt.packed else 0x38)  # every block nonzero
+    data = data.view(q.data.dtype)
+    scale = torch.full_like(q.scale, 100)
+    scale[0, 0], scale[0, 1] = 254, 1  # 253 binades apart
+    scale[1, 2], scale[1, 3] = 0, 253
+    wide = q.replace(data=data, scale=scale)
+    _assert_same_bits(_roundtrip(wide), wide)
+    scale = scale.clone()
+    scale[2, 0], scale[2, 1] = 254, 0  # 254 binades apart
+    with pytest.raises(ValueError, match="span more than 253 binades"):
+        shuffle_weights(q.replace(data=data, scale=scale))
+
+
+def test_what_shuffle_does_not_keep(seed):
+    """Layers check the round trip and keep the canonical tensors when it fails (models/linear.py)."""
+    q = quantize(torch.randn(32, 64), "nvfp4")
+    s = q.scale.view(torch.uint8).clone()
+    s[0, 0] |= 0x80  # a negative block scale: its sign moves into the elements
+    s[1, 1] = 0  # a zero block scale: its elements become zero, its scale the smallest
+    odd = q.replace(scale=s.view(torch.float8_e4m3fn))
+    back = _roundtrip(odd)
+    assert torch.equal(back.dequantize(), odd.dequantize())  # the same weight ...
+    assert back.scale.view(torch.uint8)[0, 0] == s[0, 0] & 0x7F and back.scale.view(torch.uint8)[1, 1] == 0x01
+    # ... an MX block of zeros comes back with exponent 0, and the NVFP4 global scale is the caller's
+    m = quantize(torch.randn(32, 64), "mxfp4")
+    d = m.data.clone()
+    d[3, :16] = 0
+    ms = m.scale.clone()
+    ms[3, 0] = 120
+    back = _roundtrip(m.replace(data=d, scale=ms))
+    assert back.scale[3, 0] == 0 and torch.equal(back.data, d)
+    with pytest.raises(ValueError, match="global_scale must be a float32 scalar"):
+        unshuffle_weights(*shuffle_weights(q), "nvfp4", q.shape)
+    data, scale, row_mult = shuffle_weights(q)
+    with pytest.raises(ValueError, match=r"unshuffle_weights\(nvfp4 \[32, 300\]\): expected data"):
+        unshuffle_weights(data, scale, row_mult, "nvfp4", (32, 300), q.global_scale)

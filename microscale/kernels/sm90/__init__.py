@@ -3,6 +3,8 @@
 prepare: one-time re-layout of a canonical QTensor (layout.shuffle_weights): pre-shuffled codes,
     rebased block scales and a per-row float32 factor, returned as (data, scale, row_mult) in the
     place of (data, scale, global_scale). Checkpoints keep the canonical layout.
+unprepare: its inverse (layout.unshuffle_weights; bit-exact for what our quantizers write), so
+    layers need not keep both layouts.
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
     "decode"  M <= DECODE_MAX_M: dequantize in registers into mma.sync (decode.py)
@@ -22,7 +24,7 @@ from ...formats.tensor import QTensor
 from ..dispatch import Backend, compute_capability, register
 from . import launch as paths
 from .decode import FMT_CODE
-from .layout import shuffle_weights
+from .layout import shuffle_weights, unshuffle_weights
 
 NAME = "sm90"
 DECODE_MAX_M = 32
@@ -39,6 +41,10 @@ def _available(device) -> bool:
 
 def prepare(w: QTensor):
     return shuffle_weights(w)
+
+
+def unprepare(prepared, fmt, shape, global_scale=None) -> QTensor:
+    return unshuffle_weights(*prepared, fmt, shape, global_scale)
 
 
 def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0)) -> str:
@@ -89,4 +95,5 @@ register(Backend(
     prepare=prepare,
     gemm=gemm,
     options=frozenset({"fp8_activations", "kernel"}),
+    unprepare=unprepare,
 ))

@@ -38,14 +38,23 @@ the fp32 accumulator:
     scale [N/16, K/64, 64 bytes]  NVFP4: per lane (rows g, g+8) of block t
           [N/16, K/64, 32 bytes]  MX: per lane pair (rows g, g+8) of block t // 2
 Rows are padded to ROW_ALIGN and K to K_ALIGN with zero weights. The canonical QTensor (and the
-checkpoint) keep the format's own layout; this is a cache for one kernel family.
+checkpoint) keep the format's own layout.
+
+unshuffle_weights is the inverse: it gives the canonical QTensor back bit for bit for weights
+written the way our quantizers write them, so a layer can keep only this layout (models/linear.py).
+What prepare does not keep: the NVFP4 global scale (row_mult = 2**8 / g is rounded to float32 and
+does not determine g: the caller passes g), the sign of a negative NVFP4 block scale and the value
+of a zero one (folded into the elements; the quantizers write neither), and the exponent of an MX
+block of zeros (unshuffle gives it exponent 0, as e8m0_from_amax does). The codes of MX blocks far
+below their row's largest come back exactly (up to the 253 binades prepare accepts), although the
+kernels lose precision on them beyond 126.
 """
 
 import torch
 
-from ...formats.packing import unpack_fp4
-from ...formats.spec import E8M0_BIAS, E8M0_NAN, FormatSpec
-from ...formats.tensor import QTensor
+from ...formats.packing import pack_fp4, unpack_fp4
+from ...formats.spec import E8M0_BIAS, E8M0_NAN, FormatSpec, get_format
+from ...formats.tensor import QTensor, padded_k
 
 ROW_GROUP = 16  # rows of one warp's mma tile
 K_STEP = 64  # K per 16-byte load step of a thread
@@ -69,6 +78,8 @@ NVFP4_SCALE_SHIFT = 118  # s' = s * 2**118: e4m3 [2**-9, 448] -> bf16 exponent f
 NVFP4_SCALE_BASE = 0x7580  # bf16 bits of s' = NVFP4_SCALE_BASE + 16 * code
 ELEMENT_BIAS_SHIFT = {"e2m1": 126, "e4m3": 120}  # decoded register = value * 2**-shift
 MX_TOP_CODE = 254  # the largest block of a row gets s' = 2**127
+# [Np, Kp] viewed as (rg, rsel, g, kt, t, i2, i1, khi, i0) -> a thread's elements in register order
+THREAD_ORDER = (0, 3, 2, 4, 7, 1, 5, 6, 8)
 
 
 def _ceil_to(x: int, m: int) -> int:
@@ -115,6 +126,12 @@ def _nvfp4_scale_codes(q: QTensor, codes: torch.Tensor, np_: int, kp: int):
     return code.to(torch.uint8), row_mult
 
 
+def _nonzero_blocks(codes: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
+    """[Np, Kp/block] bool: the block has an element of nonzero magnitude."""
+    np_, kp = codes.shape
+    return (codes.view(np_, kp // fmt.block, fmt.block) & (0x7 if fmt.packed else 0x7F)).amax(-1) != 0
+
+
 def _mx_scale_codes(q: QTensor, codes: torch.Tensor, np_: int, kp: int):
     """E8M0 block scales -> (codes [Np, Kp/32], row_mult [Np]) with a per-row power-of-two rebase."""
     n, block = q.shape[0], q.fmt.block
@@ -123,7 +140,7 @@ def _mx_scale_codes(q: QTensor, codes: torch.Tensor, np_: int, kp: int):
         raise ValueError(f"prepare({q.fmt.name} {list(q.shape)}): block scales contain NaN (E8M0 0xFF)")
     b = torch.zeros(np_, kp // block, dtype=torch.int32, device=raw.device)
     b[:n, : raw.shape[1]] = raw.to(torch.int32)
-    nonzero = (codes.view(np_, kp // block, block) & (0x7F if not q.fmt.packed else 0x7)).amax(-1) != 0
+    nonzero = _nonzero_blocks(codes, q.fmt)
     b_max = torch.where(nonzero, b, torch.full_like(b, -1)).amax(-1)
     b_max = torch.where(b_max < 0, torch.full_like(b_max, E8M0_BIAS), b_max)
     code = torch.where(nonzero, b - b_max[:, None] + MX_TOP_CODE, torch.full_like(b, MX_TOP_CODE))
@@ -140,7 +157,7 @@ def _thread_order(codes: torch.Tensor) -> torch.Tensor:
     """[Np, Kp] -> [Np/16, Kp/64, 8 g, 4 t, 2 khi, 2 rsel, 2 i2, 2 i1, 2 i0]: each thread's elements in register order."""
     np_, kp = codes.shape
     c = codes.view(np_ // 16, 2, 8, kp // 64, 4, 2, 2, 2, 2)  # rg, rsel, g, kt, t, i2, i1, khi, i0 (physical k order)
-    return c.permute(0, 3, 2, 4, 7, 1, 5, 6, 8)
+    return c.permute(*THREAD_ORDER)
 
 
 def _shuffle_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -182,3 +199,69 @@ def shuffle_weights(q: QTensor):
         scale_code, row_mult = _mx_scale_codes(q, codes, np_, kp)
     data = _shuffle_fp4(codes) if q.fmt.packed else _shuffle_fp8(codes)
     return data, _shuffle_scales(scale_code, q.fmt), row_mult
+
+
+# ---- the inverse --------------------------------------------------------------------------------
+def _from_thread_order(c: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
+    """Elements in register order (any shape holding them in that order) -> [Np, Kp]."""
+    c = c.reshape(np_ // 16, kp // 64, 8, 4, 2, 2, 2, 2, 2)
+    return c.permute(*[THREAD_ORDER.index(d) for d in range(9)]).reshape(np_, kp)
+
+
+def _unshuffle_fp4(data: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
+    word = data.view(torch.int32).view(np_ // 16, kp // 64, 32, 4)
+    elements = []
+    for positions in FP4_BITS:
+        code = torch.zeros_like(word)
+        for bit, pos in enumerate(positions):
+            code |= ((word >> pos) & 1) << bit
+        elements.append(code)
+    return _from_thread_order(torch.stack(elements, dim=-1).to(torch.uint8), np_, kp)
+
+
+def _unshuffle_fp8(data: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
+    return _from_thread_order(data.view(np_ // 16, kp // 64, 32, 8, 4)[..., list(FP8_BYTE_OF_ELEMENT)], np_, kp)
+
+
+def _unshuffle_scales(scale: torch.Tensor, fmt: FormatSpec, np_: int, kp: int) -> torch.Tensor:
+    c = scale.view(np_ // 16, kp // K_STEP, 8, K_STEP // fmt.block, 2)  # rg, kt, g, block, rsel
+    return c.permute(0, 4, 2, 1, 3).reshape(np_, kp // fmt.block)
+
+
+def _nvfp4_block_scales(code: torch.Tensor) -> torch.Tensor:
+    s = ((code.to(torch.int32) * 16 + NVFP4_SCALE_BASE) << 16).view(torch.float32)
+    return (s * 2.0**-NVFP4_SCALE_SHIFT).to(torch.float8_e4m3fn)  # exact: s is an E4M3 value
+
+
+def _mx_block_scales(code: torch.Tensor, codes: torch.Tensor, row_mult: torch.Tensor, fmt: FormatSpec):
+    _, e = torch.frexp(row_mult.double())  # row_mult = 2**(e - 1)
+    b_max = e.to(torch.int32) - 1 - ELEMENT_BIAS_SHIFT[fmt.elem] + MX_TOP_CODE
+    b = code.to(torch.int32) - MX_TOP_CODE + b_max[:, None]
+    return torch.where(_nonzero_blocks(codes, fmt), b, torch.zeros_like(b)).to(torch.uint8)
+
+
+def unshuffle_weights(data: torch.Tensor, scale: torch.Tensor, row_mult: torch.Tensor, fmt, shape,
+                      global_scale: torch.Tensor = None) -> QTensor:
+    """shuffle_weights' output -> the canonical QTensor [N, K] (linear scales), bit for bit within the
+    limits of the module docstring. global_scale: the NVFP4 encode scale the weight was prepared with
+    (row_mult does not determine it); None for MX."""
+    fmt = get_format(fmt)
+    n, k = shape
+    np_, kp = padded_shape(n, k)
+    want_data = (np_ // 16, kp // 64 * (512 if fmt.packed else 1024))
+    want_scale = (np_ // 16, kp // fmt.block * 16)
+    if tuple(data.shape) != want_data or tuple(scale.shape) != want_scale or tuple(row_mult.shape) != (np_,):
+        raise ValueError(f"unshuffle_weights({fmt.name} {list(shape)}): expected data {list(want_data)}, scale "
+                         f"{list(want_scale)}, row_mult [{np_}]; got {list(data.shape)}, {list(scale.shape)}, "
+                         f"{list(row_mult.shape)}")
+    codes = _unshuffle_fp4(data, np_, kp) if fmt.packed else _unshuffle_fp8(data, np_, kp)
+    scale_code = _unshuffle_scales(scale, fmt, np_, kp)
+    if fmt.global_scale:
+        block_scale = _nvfp4_block_scales(scale_code)
+    else:
+        block_scale = _mx_block_scales(scale_code, codes, row_mult, fmt)
+    cols = padded_k(k, fmt.block)
+    codes = codes[:n, :cols]
+    data = pack_fp4(codes) if fmt.packed else codes.contiguous().view(torch.float8_e4m3fn)
+    return QTensor(data=data, scale=block_scale[:n, : cols // fmt.block].contiguous(), fmt=fmt, shape=(n, k),
+                   global_scale=global_scale)
