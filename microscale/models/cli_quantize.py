@@ -175,6 +175,17 @@ def _output_specs(ordered, quantized_by_tensor: dict, spec) -> list:
     return specs
 
 
+def _float_checkpoint(src, out):
+    """(src, out, plan) for quantizing the float checkpoint `src` into another directory `out`."""
+    src, out = Path(src).resolve(), Path(out).resolve()
+    if src == out:
+        raise CheckpointError(f"{out}: the output directory must differ from the source")
+    plan = plan_checkpoint(src)
+    if plan.layout != "unquantized":
+        raise CheckpointError(f"{src}: already quantized ({plan.layout}); quantize needs a float checkpoint")
+    return src, out, plan
+
+
 def quantize_checkpoint(src, out, fmt, *, exclude=None, scale_mode=ScaleMode.RCEIL, device=None,
                         max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress=True, method="rtn",
                         rotation=None) -> StreamReport:
@@ -189,12 +200,7 @@ def quantize_checkpoint(src, out, fmt, *, exclude=None, scale_mode=ScaleMode.RCE
         raise ValueError(f"quantize_checkpoint streams tensor by tensor; method={method!r} needs the model run "
                          f"(quantize_checkpoint_with_model)")
     spec = get_format(fmt)
-    src, out = Path(src).resolve(), Path(out).resolve()
-    if src == out:
-        raise CheckpointError(f"{out}: the output directory must differ from the source")
-    plan = plan_checkpoint(src)
-    if plan.layout != "unquantized":
-        raise CheckpointError(f"{src}: already quantized ({plan.layout}); quantize needs a float checkpoint")
+    src, out, plan = _float_checkpoint(src, out)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     selected, skipped = _select(plan, spec, DEFAULT_EXCLUDE if exclude is None else tuple(exclude))
     ragged = [info for info in selected.values() if rotation is not None and info.shape[1] % rotation]
@@ -250,12 +256,7 @@ def quantize_checkpoint_with_model(src, out, fmt, *, method="gptq", rotation=Non
     quant.calibration's text (calibration_ids; sizes default to its own), save_quantized writes `out`.
     Memory: the whole model in float32 on `device`, not one tensor. Returns the QuantizationReport
     (its bytes before quantization are of the float32 copy)."""
-    src, out = Path(src).resolve(), Path(out).resolve()
-    if src == out:
-        raise CheckpointError(f"{out}: the output directory must differ from the source")
-    plan = plan_checkpoint(src)
-    if plan.layout != "unquantized":
-        raise CheckpointError(f"{src}: already quantized ({plan.layout}); quantize needs a float checkpoint")
+    src, out, plan = _float_checkpoint(src, out)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
