@@ -4,6 +4,7 @@ forward, and the bench driver end to end (its GPU parts run on the H200 only).""
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def e2e():
     spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "bench", "e2e.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_e2e"] = module  # torch.compile (dynamo) looks the step's module up by name
     spec.loader.exec_module(module)
     return module
 
@@ -72,3 +74,26 @@ def test_driver_tiny_on_cpu(e2e, tmp_path):
     assert text.startswith("# Benchmarks\n\nthe GEMM section\n") and text.count("| nvfp4 |") == 2
     e2e.write_markdown_section(str(md), e2e.MARKERS[0] + "\nnew\n" + e2e.MARKERS[1])  # replaced, not appended
     assert md.read_text().count(e2e.MARKERS[0]) == 1 and "\nnew\n" in md.read_text()
+
+
+def test_compiled_step_matches_eager_on_cpu(seed, e2e):
+    """--compile-step: the compiled step computes what the eager one does (inductor on the CPU here;
+    on the H200 the compiled step is then captured as the graph)."""
+    model = tiny_float32(e2e, "nvfp4")
+    ids = torch.randint(0, e2e.TINY["vocab_size"], (2, 6))
+    dec = e2e.StaticDecoder(model, batch=2, cache_len=8)
+
+    def teacher_forced(step):
+        dec.reset(ids[:, :1])
+        logits = []
+        for t in range(6):
+            dec.tokens.copy_(ids[:, t:t + 1])
+            dec.pos.fill_(t)
+            logits.append(step(advance=False))
+        return torch.stack(logits)
+
+    want = teacher_forced(dec.step)
+    got = teacher_forced(torch.compile(dec.step, fullgraph=True, dynamic=False))
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    timing = e2e.measure_graph_decode(model, batch=2, prompt_len=3, steps=3, compile_step=True)
+    assert timing["compiled_step"] and timing["ms_per_step"] > 0
