@@ -22,3 +22,13 @@ def seed(request):
     torch.manual_seed(s)
     print(f"seed={s}")
     return s
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the module: GPTQ's column loop is many small ops, faster on one thread on
+    the shared CI machine. Use with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -21,16 +21,9 @@ from microscale.quant.calibration import calibration_ids
 from microscale.quant.methods import quantize_weight
 from microscale.quant.scale_search import search_quantize
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CALIB_SHAPE = (4, 32)  # calibration sequences x tokens: enough for every Hessian of the tiny model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """GPTQ's column loop is many small ops: one thread is faster on the shared CI machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def hadamard_reference(k: int, block: int) -> torch.Tensor:

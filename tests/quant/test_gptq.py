@@ -9,16 +9,9 @@ from microscale.quant import gptq
 from microscale.quant.methods import effective_weight, quantize_weight, quantize_weights
 from microscale.quant.scale_search import search_quantize
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FORMATS = ["nvfp4", "mxfp4", "mxfp8"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """GPTQ's column loop is many small ops: one thread is faster, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _bytes(t):
@@ -81,13 +74,7 @@ def minilm_layer(minilm, minilm_calibration):
     """A real Linear (MiniLM layer 2 attention output, 384 -> 384) and the Hessian of its inputs."""
     model = minilm[0]
     linear = model.encoder.layer[2].attention.output.dense
-    xs = []
-    handle = linear.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))
-    with torch.no_grad():
-        model(minilm_calibration)
-    handle.remove()
-    x = torch.cat(xs)
-    return linear.weight.detach().clone(), x.T @ x / x.shape[0]
+    return linear.weight.detach().clone(), _inputs_of(model, linear, minilm_calibration)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -130,6 +117,7 @@ def test_gptq_rejects_bad_input():
 
 # ---- the streaming model driver -------------------------------------------------------------------
 def _inputs_of(model, linear, ids):
+    """E[x^T x] of `linear`'s inputs when `model` runs on `ids`."""
     xs = []
     handle = linear.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))
     with torch.no_grad():

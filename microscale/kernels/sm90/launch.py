@@ -56,12 +56,11 @@ def decode_config(m: int, fmt_code: int) -> DecodeConfig:
     return DecodeConfig(block_m=32, reps=2, unroll=1, ctas_per_sm=4)
 
 
-def _split_for(cfg: DecodeConfig, tiles: int, kt: int, sms: int) -> int:
-    """Enough K splits for about cfg.ctas_per_sm programs per SM, each with at least four loop trips."""
+def _split_for(cfg, tiles: int, max_split: int, sms: int) -> int:
+    """K splits for about cfg.ctas_per_sm programs per SM (at most max_split), unless cfg.split fixes it."""
     if cfg.split:
         return cfg.split
-    trips = kt // cfg.unroll
-    return max(1, min(trips // 4, math.ceil(cfg.ctas_per_sm * sms / tiles)))
+    return max(1, min(max_split, math.ceil(cfg.ctas_per_sm * sms / tiles)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +90,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.block_m)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    split = _split_for(cfg, tiles_n * tiles_m, kt, sms)
+    split = _split_for(cfg, tiles_n * tiles_m, kt // cfg.unroll // 4, sms)  # >= 4 loop trips per program
     steps = triton.cdiv(triton.cdiv(kt, split), cfg.unroll) * cfg.unroll
     split = triton.cdiv(kt, steps)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
@@ -132,7 +131,7 @@ def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cf
     cfg = cfg or wgmma_config(m)
     tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), np_ // (ROW_GROUP * cfg.num_warps)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    split = cfg.split or max(1, min(kt // 8, math.ceil(cfg.ctas_per_sm * sms / (tiles_m * tiles_n))))
+    split = _split_for(cfg, tiles_m * tiles_n, kt // 8, sms)  # >= 8 K steps per program
     steps = triton.cdiv(kt, split)
     split = triton.cdiv(kt, steps)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
