@@ -302,19 +302,45 @@ def plot(results: dict, path: str):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(FORMATS), figsize=(5 * len(FORMATS), 4), sharey=True)
     for ax, fmt in zip(axes, FORMATS):
-        for n, k in SHAPES:
-            rs = [r for r in results["gemm"] if r["format"] == fmt and (r["N"], r["K"]) == (n, k)
-                  and r.get("speedup_vs_bf16")]
-            if rs:
-                ax.plot([r["M"] for r in rs], [r["speedup_vs_bf16"] for r in rs], marker="o", label=f"N={n} K={k}")
+        for color, (n, k) in zip(("C0", "C1", "C2", "C3"), SHAPES):
+            rs = sorted((r for r in results["gemm"] if r["format"] == fmt and (r["N"], r["K"]) == (n, k)
+                         and r.get("speedup_vs_bf16")), key=lambda r: r["M"])
+            default = [r for r in rs if r["backend"] != "sm90:fp8"]
+            fp8 = [r for r in rs if r["backend"] == "sm90:fp8"]
+            if default:
+                ax.plot([r["M"] for r in default], [r["speedup_vs_bf16"] for r in default], marker="o",
+                        color=color, label=f"N={n} K={k}")
+            if fp8:
+                ax.plot([r["M"] for r in fp8], [r["speedup_vs_bf16"] for r in fp8], marker="x", ls="--",
+                        color=color, label=f"N={n} K={k}, FP8 path (opt-in)")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(fmt)
         ax.set_xlabel("M")
     axes[0].set_ylabel("speed-up over cuBLAS bf16")
-    axes[0].legend(fontsize=7)
+    for ax in axes:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def merge_results(old, new):
+    """The results `old` with every GEMM record that `new` measured again (same format, M, N, K and
+    backend) replaced by the new one; the other sections are the new run's where it has them."""
+    new = dict(new)
+    def key(r):
+        return r["format"], r["M"], r["N"], r["K"], r["backend"]
+    fresh = {key(r) for r in new["gemm"]}
+    merged = [r for r in old["gemm"] if key(r) not in fresh] + new["gemm"]
+    formats = list(dict.fromkeys(r["format"] for r in merged))
+    shapes = list(dict.fromkeys((r["N"], r["K"]) for r in merged))
+    new["gemm"] = sorted(merged, key=lambda r: (formats.index(r["format"]), shapes.index((r["N"], r["K"])),
+                                                r["M"], r["backend"]))
+    for kind in ("quantize", "sweep", "large"):
+        new[kind] = new[kind] or old.get(kind, [])
+    new["notes"] = old.get("notes", []) + new.get("notes", []) + [
+        f"Merged run {new['env']['date']} into results of {old['env']['date']}."]
+    return new
 
 
 def main():
@@ -331,6 +357,8 @@ def main():
     p.add_argument("--sweep-grid", default='{"block_m": [8, 16], "reps": [1, 2], "unroll": [2, 4], '
                    '"depth": [1, 2, 3], "ctas_per_sm": [2, 4, 8]}',
                    help="JSON {DecodeConfig field: [values]}: the sweep times every combination")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the records of the existing --out file that this run does not measure again")
     p.add_argument("--no-quantize", action="store_true")
     p.add_argument("--quantize-only", action="store_true", help="only the quantize-kernel benchmark")
     p.add_argument("--large", action="store_true", help="large-M alternatives instead of the benchmark")
@@ -357,6 +385,8 @@ def main():
             results = json.load(fh)
         results["source"] = args.table
         write_table(results)
+        if args.plot:
+            plot(results, args.plot)
         return
     sys.path.insert(0, os.getcwd())
     torch.manual_seed(0)
@@ -364,6 +394,15 @@ def main():
     ms = [int(m) for m in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
     results = {"env": _env(), "gemm": [], "quantize": [], "sweep": [], "large": [], "notes": []}
+    merged_into = None
+    if args.merge and args.out and os.path.exists(args.out):
+        with open(args.out) as fh:
+            merged_into = json.load(fh)
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(merge_results(merged_into, results) if merged_into else results, fh, indent=1)
     print(json.dumps(results["env"]), flush=True)
     if args.large:
         for fmt in formats:
@@ -388,14 +427,10 @@ def main():
                 results["gemm"] += bench_shape(fmt, n, k, ms, kernels=args.kernel)
                 if args.fp8 and fmt != "nvfp4" and (n, k) == (8192, 8192):
                     results["gemm"] += bench_shape(fmt, n, k, [m for m in ms if m >= 512], kernels="fp8")
-                if args.out:  # partial results survive a time limit
-                    with open(args.out, "w") as fh:
-                        json.dump(results, fh, indent=1)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(results, fh, indent=1)
+                save()  # partial results survive a time limit
+    save()
     if args.plot and results["gemm"]:
-        plot(results, args.plot)
+        plot(merge_results(merged_into, results) if merged_into else results, args.plot)
 
 
 if __name__ == "__main__":
