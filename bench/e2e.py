@@ -16,14 +16,16 @@ stay bf16, its default). Per format and batch size, in one process:
 (b) graph: a minimal decode loop (StaticDecoder) whose whole step (all layers, rotary, the static
     KV cache update, attention, lm_head, greedy argmax, position increment) is captured in one CUDA
     graph and replayed, so the step time is GPU time. Its first tokens are checked against eager.
-    With --compile-step the step is torch.compile'd (fullgraph) before the capture. The eager step
-    launches some 30 small kernels per layer (norms, rotary, residuals); at batch 1 they and the
-    attention take an estimated 2.6-2.9 ms of the bf16 step's 7.1 ms (step time minus the 4.2 ms of
-    GEMMs in the profile of (a)), which pulls every format's speed-up toward 1.
+    The eager step launches some 30 small kernels per layer (norms, rotary, residuals); at batch 1
+    they and the attention took an estimated 2.6-2.9 ms of the bf16 step's 7.1 ms (step time minus
+    the 4.2 ms of GEMMs in the profile of (a)), which pulls every format's speed-up toward 1.
+(c) compiled-graph: (b) with the step torch.compile'd (fullgraph) before the capture, so the work
+    between the GEMMs becomes a few fused kernels.
 
 Memory: weight bytes = parameters + buffers of the model (storages counted once; whatever is
 resident counts: on sm90 only the prepared layout, unless a layer keeps its canonical copy), and
-the peak allocated during (b). Results go to --out (JSON) and, with --markdown, into the section
+the peak allocated during (b). Results go to --out (JSON; with --merge added to the rows already
+there, so formats and ways can be measured in separate runs) and, with --markdown, into the section
 between the E2E markers of that file (appended when absent).
 """
 
@@ -49,7 +51,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 FORMATS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
-WAYS = ("graph", "generate")
+WAYS = ("graph", "compiled-graph", "generate")
 LINEAR_KERNEL_MARKS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul", "dequant", "_mm_")
 ATTENTION_KERNEL_MARKS = ("flash", "fmha", "attention", "sdpa", "attn")
 MARKERS = ("<!-- e2e:begin (bench/e2e.py writes this section) -->", "<!-- e2e:end -->")
@@ -287,7 +289,9 @@ def run_format(config, fmt, device, batches, args) -> list:
         row = {"format": fmt, "batch": batch, "backend": ",".join(backends), "weight_gib": weight_gib,
                "quantized_linear_gib": report.bytes_after / 2**30 if report else None}
         if "graph" in args.ways:
-            row["graph"] = measure_graph_decode(model, batch, args.prompt, args.steps, compile_step=args.compile_step)
+            row["graph"] = measure_graph_decode(model, batch, args.prompt, args.steps)
+        if "compiled-graph" in args.ways:
+            row["compiled-graph"] = measure_graph_decode(model, batch, args.prompt, args.steps, compile_step=True)
         if "generate" in args.ways:
             row["generate"] = measure_generate(model, batch, args.prompt, args.new_tokens,
                                                compile_decode=torch.device(device).type == "cuda")
@@ -305,6 +309,19 @@ def run_format(config, fmt, device, batches, args) -> list:
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def merge_rows(rows: list, new: list) -> None:
+    """Add the ways measured in `new` to the rows of the same format and batch (a later measurement of
+    the same way replaces the earlier one)."""
+    for n in new:
+        same = [r for r in rows if (r["format"], r["batch"]) == (n["format"], n["batch"])]
+        if same:
+            same[0].update(n)
+        else:
+            rows.append(n)
+    order = {f: i for i, f in enumerate(FORMATS)}
+    rows.sort(key=lambda r: (order[r["format"]], r["batch"]))
 
 
 def add_speedups(rows: list) -> None:
@@ -328,22 +345,26 @@ def markdown(results: dict) -> str:
         f"(`CompileConfig(fullgraph=True, mode=\"reduce-overhead\")`), {c['new_tokens']} new tokens after a "
         f"{c['prompt']}-token prompt: step time from token arrival times; GPU time from a profile of the same call "
         f"(kernel time / new tokens), host = step - GPU. (b) the whole decode step in one CUDA graph "
-        f"(`StaticDecoder`), {c['steps']} replays; weights: parameters + buffers resident; peak: allocated during (b).",
+        f"(`StaticDecoder`), {c['steps']} replays; (c) the same with the step torch.compile'd before the capture; "
+        f"weights: parameters + buffers resident; peak: allocated during (b)/(c). Runs: {', '.join(e.get('runs', [e['date']]))}.",
         "",
-        "| format | batch | backend | weights GiB (Linears in format) | (b) graph ms/step | (b) tok/s | (b) x bf16 | (a) generate ms/step "
-        "| (a) tok/s | (a) x bf16 | (a) GPU ms: linear / attn / other | (a) host ms | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| format | batch | backend | weights GiB (Linears in format) | (b) graph ms/step | (b) x bf16 "
+        "| (c) compiled graph ms/step | (c) tok/s | (c) x bf16 | (a) generate ms/step | (a) tok/s | (a) x bf16 "
+        "| (a) GPU ms: linear / attn / other | (a) host ms | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
-        g, a = r.get("graph", {}), r.get("generate", {})
+        g, c, a = r.get("graph", {}), r.get("compiled-graph", {}), r.get("generate", {})
         gpu = " / ".join(f(a.get(f"{k}_ms_per_step")) for k in ("linear", "attention", "other"))
+        peak = max((w.get("peak_gib") or 0 for w in (g, c)), default=0) or None
         lines.append(f"| {r['format']} | {r['batch']} | {r['backend']} | {f(r['weight_gib'])} "
                      f"({f(r['quantized_linear_gib'])}) "
-                     f"| {f(g.get('ms_per_step'), 3)} | {f(g.get('tokens_per_s'), 0)} | {f(g.get('speedup_vs_bf16'))} "
+                     f"| {f(g.get('ms_per_step'), 3)} | {f(g.get('speedup_vs_bf16'))} "
+                     f"| {f(c.get('ms_per_step'), 3)} | {f(c.get('tokens_per_s'), 0)} | {f(c.get('speedup_vs_bf16'))} "
                      f"| {f(a.get('ms_per_step'), 3)} | {f(a.get('tokens_per_s'), 0)} | {f(a.get('speedup_vs_bf16'))} "
-                     f"| {gpu} | {f(a.get('host_ms_per_step'))} | {f(g.get('peak_gib'))} |")
-    mismatched = [f"{r['format']} b{r['batch']}" for r in results["rows"]
-                  if r.get("graph", {}).get("tokens_equal_eager") is False]
+                     f"| {gpu} | {f(a.get('host_ms_per_step'))} | {f(peak)} |")
+    mismatched = [f"{r['format']} b{r['batch']} {how}" for r in results["rows"] for how in ("graph", "compiled-graph")
+                  if r.get(how, {}).get("tokens_equal_eager") is False]
     if mismatched:
         lines += ["", f"Graph replay tokens differ from eager for: {', '.join(mismatched)}."]
     lines += ["", MARKERS[1]]
@@ -367,15 +388,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS, help="(b) graph and/or (a) generate")
+    p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS,
+                   help="(b) graph (eager step), (c) compiled-graph (torch.compile'd step), (a) generate")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens (a) / start position (b)")
     p.add_argument("--new-tokens", type=int, default=64, help="(a): tokens generated per timed call")
     p.add_argument("--steps", type=int, default=100, help="(b): timed graph replays")
-    p.add_argument("--compile-step", action="store_true", help="(b): torch.compile the step before capturing it")
     p.add_argument("--tiny", action="store_true", help="a tiny config: checks the logic on any device")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="bench/results/e2e_h200.json")
+    p.add_argument("--merge", action="store_true",
+                   help="add to the rows of the existing --out file (a run per format or way fits a time limit)")
     p.add_argument("--markdown", default=None, help="write the results section into this file (BENCHMARKS.md)")
     args = p.parse_args(argv)
 
@@ -384,18 +407,25 @@ def main(argv=None):
     config = dict(TINY if args.tiny else LLAMA3_8B)
     if args.layers:
         config["num_hidden_layers"] = args.layers
-    rows = []
-    for fmt in args.formats:
-        rows += run_format(config, fmt, args.device, args.batches, args)
-    add_speedups(rows)
     results = {"env": env(args.device),
                "config": {"name": "tiny Llama" if args.tiny else "Llama-3-8B shape", "layers": config["num_hidden_layers"],
-                          "prompt": args.prompt, "new_tokens": args.new_tokens, "steps": args.steps, "ways": args.ways,
+                          "prompt": args.prompt, "new_tokens": args.new_tokens, "steps": args.steps,
                           "llama_config": config},
-               "rows": rows}
+               "rows": []}
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as fh:
+            old = json.load(fh)
+        if old["config"] != results["config"]:
+            raise SystemExit(f"--merge: {args.out} was measured with another configuration: {old['config']}")
+        results["rows"] = old["rows"]
+        results["env"]["runs"] = old["env"].get("runs", [old["env"]["date"]])
+    results["env"]["runs"] = results["env"].get("runs", []) + [results["env"]["date"]]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(results, fh, indent=1)
+    for fmt in args.formats:
+        merge_rows(results["rows"], run_format(config, fmt, args.device, args.batches, args))
+        add_speedups(results["rows"])
+        with open(args.out, "w") as fh:  # after every format: partial results survive a time limit
+            json.dump(results, fh, indent=1)
     section = markdown(results)
     print(section)
     if args.markdown:

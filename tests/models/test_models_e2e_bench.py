@@ -62,8 +62,9 @@ def test_kernel_classes(e2e):
 def test_driver_tiny_on_cpu(e2e, tmp_path):
     out, md = tmp_path / "e2e.json", tmp_path / "BENCH.md"
     md.write_text("# Benchmarks\n\nthe GEMM section\n")
-    e2e.main(["--tiny", "--device", "cpu", "--formats", "bf16", "nvfp4", "--batches", "1", "2", "--steps", "3",
-              "--new-tokens", "4", "--out", str(out), "--markdown", str(md)])
+    common = ["--tiny", "--device", "cpu", "--steps", "3", "--new-tokens", "4", "--out", str(out)]
+    e2e.main(common + ["--formats", "bf16", "nvfp4", "--batches", "1", "2", "--ways", "graph", "generate",
+                       "--markdown", str(md)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["format"], r["batch"]) for r in rows] == [("bf16", 1), ("bf16", 2), ("nvfp4", 1), ("nvfp4", 2)]
     for r in rows:
@@ -75,9 +76,18 @@ def test_driver_tiny_on_cpu(e2e, tmp_path):
     e2e.write_markdown_section(str(md), e2e.MARKERS[0] + "\nnew\n" + e2e.MARKERS[1])  # replaced, not appended
     assert md.read_text().count(e2e.MARKERS[0]) == 1 and "\nnew\n" in md.read_text()
 
+    # --merge: a later run adds its ways to the rows of the same format and batch, keeps the others
+    e2e.main(common + ["--formats", "nvfp4", "--batches", "2", "--ways", "graph", "--merge"])
+    merged = json.loads(out.read_text())
+    assert [(r["format"], r["batch"]) for r in merged["rows"]] == [(r["format"], r["batch"]) for r in rows]
+    assert merged["rows"][3]["generate"] == rows[3]["generate"] and merged["rows"][:3] == rows[:3]
+    assert merged["rows"][3]["graph"] != rows[3]["graph"] and len(merged["env"]["runs"]) == 2
+    with pytest.raises(SystemExit, match="another configuration"):
+        e2e.main(common + ["--formats", "bf16", "--batches", "1", "--ways", "graph", "--merge", "--layers", "1"])
+
 
 def test_compiled_step_matches_eager_on_cpu(seed, e2e):
-    """--compile-step: the compiled step computes what the eager one does (inductor on the CPU here;
+    """(c) compiled-graph: the compiled step computes what the eager one does (inductor on the CPU here;
     on the H200 the compiled step is then captured as the graph)."""
     model = tiny_float32(e2e, "nvfp4")
     ids = torch.randint(0, e2e.TINY["vocab_size"], (2, 6))
