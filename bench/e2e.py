@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -346,7 +347,7 @@ def markdown(results: dict) -> str:
         f"{c['prompt']}-token prompt: step time from token arrival times; GPU time from a profile of the same call "
         f"(kernel time / new tokens), host = step - GPU. (b) the whole decode step in one CUDA graph "
         f"(`StaticDecoder`), {c['steps']} replays; (c) the same with the step torch.compile'd before the capture; "
-        f"weights: parameters + buffers resident; peak: allocated during (b)/(c). Runs: {', '.join(e.get('runs', [e['date']]))}.",
+        f"weights: parameters + buffers resident; peak: allocated during (b)/(c); '-': not measured.",
         "",
         "| format | batch | backend | weights GiB (Linears in format) | (b) graph ms/step | (b) x bf16 "
         "| (c) compiled graph ms/step | (c) tok/s | (c) x bf16 | (a) generate ms/step | (a) tok/s | (a) x bf16 "
@@ -367,7 +368,8 @@ def markdown(results: dict) -> str:
                   if r.get(how, {}).get("tokens_equal_eager") is False]
     if mismatched:
         lines += ["", f"Graph replay tokens differ from eager for: {', '.join(mismatched)}."]
-    lines += ["", MARKERS[1]]
+    lines += ["", "Runs merged into this table (JSON: `bench/results/e2e_h200.json`): "
+              + "; ".join(e.get("runs", [e["date"]])) + ".", "", MARKERS[1]]
     return "\n".join(lines)
 
 
@@ -419,7 +421,8 @@ def main(argv=None):
             raise SystemExit(f"--merge: {args.out} was measured with another configuration: {old['config']}")
         results["rows"] = old["rows"]
         results["env"]["runs"] = old["env"].get("runs", [old["env"]["date"]])
-    results["env"]["runs"] = results["env"].get("runs", []) + [results["env"]["date"]]
+    command = "bench/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    results["env"]["runs"] = results["env"].get("runs", []) + [f"{results['env']['date'][:19]}: `{command}`"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for fmt in args.formats:
         merge_rows(results["rows"], run_format(config, fmt, args.device, args.batches, args))
