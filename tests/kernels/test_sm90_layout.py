@@ -215,3 +215,15 @@ def test_what_shuffle_does_not_keep(seed):
     data, scale, row_mult = shuffle_weights(q)
     with pytest.raises(ValueError, match=r"unshuffle_weights\(nvfp4 \[32, 300\]\): expected data"):
         unshuffle_weights(data, scale, row_mult, "nvfp4", (32, 300), q.global_scale)
+
+
+def test_decode_tile_must_divide_the_padded_rows():
+    """A decode tile taller than layout.ROW_ALIGN would leave rows unwritten: refused before any launch."""
+    from microscale.kernels.sm90 import launch
+    from microscale.kernels.sm90.layout import ROW_ALIGN
+
+    cfg = launch.DecodeConfig(num_warps=4, reps=4)
+    assert ROW_ALIGN % cfg.block_n  # the case under test
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"tile of {cfg.block_n} rows does not divide the {ROW_ALIGN} padded"):
+        launch.decode_gemm(x, None, None, None, None, 0, 100, 256, cfg)

@@ -87,6 +87,9 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
     cfg = cfg or decode_config(m, fmt_code)
+    if np_ % cfg.block_n:
+        raise ValueError(f"decode tile of {cfg.block_n} rows does not divide the {np_} padded weight rows "
+                         f"(16 x num_warps x reps must divide layout.ROW_ALIGN)")
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.block_m)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
