@@ -34,7 +34,8 @@ How the per-element work stays cheap and exact (the FP4 kernels are ALU-bound ot
   differs) while the codes were right (triton 3.6; cause not isolated).
 Triton's interpreter (CPU tests) computes tl.fma as a rounded multiply plus a rounded add and
 does not round float8 casts to nearest even, so there (NATIVE=False) elements are divided with
-div_rn and encoded to E4M3 with integer arithmetic; everything else is the same code.
+div_rn and encoded to E4M3 with integer arithmetic; everything else is the same code. GPUs
+before sm_89 (A100), which have no float8 conversion, take the same integer encoding (HW_E4M3).
 
 Rotation (`rotation=b`: quant/hadamard.py's block-wise Hadamard R, for rotated layers' activations):
 x R is computed in registers right after the load, per run of b elements along K
@@ -69,6 +70,7 @@ from ..formats.spec import E2M1_MAX, E4M3_MAX, E8M0_BIAS, get_format
 from ..formats.tensor import QTensor, padded_k
 from ..quant.hadamard import ROTATION_BLOCKS, hadamard_matrix
 from ..quant.reference import NVFP4_GLOBAL_NUMERATOR, check_weight
+from .dispatch import compute_capability
 
 _SCALE_MODE_CODE = {ScaleMode.FLOOR: 0, ScaleMode.RCEIL: 1, ScaleMode.CEIL: 2, ScaleMode.EVEN: 3}
 
@@ -274,7 +276,7 @@ def amax_kernel(X, AMAX, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.con
 @triton.jit(do_not_specialize=["M", "n_cols"])  # masks and scale offsets only: fewer variants to compile
 def quantize_kernel(
     X, DATA, SCALE, G, TABLE, M, K, n_cols, stride_xm,
-    FMT: tl.constexpr, MODE: tl.constexpr, SWIZZLED: tl.constexpr, NATIVE: tl.constexpr,
+    FMT: tl.constexpr, MODE: tl.constexpr, SWIZZLED: tl.constexpr, NATIVE: tl.constexpr, HW_E4M3: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, SPREAD: tl.constexpr,
     ROTATION: tl.constexpr = 0,
 ):
@@ -288,7 +290,8 @@ def quantize_kernel(
     differs from the computed layout get contiguity 1 (tl.max_contiguous), which avoids a layout
     conversion through shared memory.
     DATA is int32 (VEC = 8: eight E2M1 codes per word), int16 (VEC = 4) or uint8 (MXFP8).
-    NATIVE (False under the interpreter): divide and convert with fma / float8 hardware.
+    NATIVE (False under the interpreter): divide with fma. HW_E4M3 (sm_89 and later, not under the
+    interpreter): MXFP8 elements through the hardware float8 conversion, else integer arithmetic.
     ROTATION (16 or 32, 0 for none): quantize x R instead of x (_hadamard_rotate, right after the
     load; without data movement where a thread holds whole blocks, i.e. not SPREAD).
     """
@@ -335,7 +338,7 @@ def quantize_kernel(
     store_ok = (cols < n_cols)[:, None, None] & (rows < M)[None, :, None]
     if FMT == 2:
         y = x * p[:, :, None, None]
-        if NATIVE:
+        if HW_E4M3:
             q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             q = _e4m3_bits(tl.minimum(tl.maximum(y, -ELEM_MAX_FP8), ELEM_MAX_FP8)).to(tl.uint8)
@@ -394,6 +397,15 @@ def _check_rotation(rotation, spec, k: int):
                          f"{ROTATION_BLOCKS} dividing {spec.name}'s block of {spec.block}; got {got}")
     if k % rotation:
         raise ValueError(f"quantize_gpu: K={k} of x is not a multiple of the rotation block {rotation}")
+
+
+def _hardware_e4m3(device) -> bool:
+    """Whether the GPU converts float32 to E4M3 in hardware (sm_89 and later; A100 and older do not,
+    and Triton refuses float8e4nv casts there)."""
+    if _interpreted():
+        return False
+    cc = compute_capability(device)
+    return cc is not None and cc >= (8, 9)
 
 
 def _interpreted() -> bool:
@@ -476,7 +488,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
         x, word, scale, g if g is not None else scale, table if table is not None else scale,
         m, k, n_cols, x.stride(0),
         FMT=fmt_code, MODE=_SCALE_MODE_CODE[ScaleMode(scale_mode)], SWIZZLED=scale_layout == "swizzled",
-        NATIVE=not _interpreted(),
+        NATIVE=not _interpreted(), HW_E4M3=_hardware_e4m3(x.device),
         BLOCK=spec.block, VEC=vec, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=rotation or 0,
         num_warps=warps,
     )

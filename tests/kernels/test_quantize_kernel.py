@@ -192,7 +192,7 @@ def test_quantize_kernel_sass_sm90(fmt, tmp_path):
 
     spec = get_format(fmt)
     block_m, blocks, warps, spread = qk.TILE[spec.name]
-    constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True,
+    constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True, HW_E4M3=True,
                       BLOCK=spec.block, VEC=8, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread)
     signature = {"X": "*bf16", "DATA": "*i32" if spec.packed else "*u8", "SCALE": "*u8", "G": "*fp32",
                  "TABLE": "*fp32", "M": "i32", "K": "i32", "n_cols": "i32", "stride_xm": "i32"}
@@ -211,3 +211,33 @@ def test_quantize_kernel_sass_sm90(fmt, tmp_path):
         assert compiled.metadata.shared == 0 and not any(o.startswith(("BAR", "LDS", "STS")) for o in ops)
     if fmt == "mxfp8":
         assert any(o.startswith("F2FP.SATFINITE.E4M3") for o in ops)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_quantize_kernel_compiles_for_sm80(fmt, tmp_path, monkeypatch):
+    """A100 (sm_80) has no float8 conversion and Triton refuses float8e4nv casts there: quantize_gpu
+    asks for the integer E4M3 encoding below sm_89 (the interpreter tests check its bits), and the
+    sm_80 build then compiles without any float8 instruction."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from microscale.formats import get_format
+    from microscale.kernels import quantize as qk
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for cc, want in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), (None, False)):
+        monkeypatch.setattr(qk, "compute_capability", lambda device, cc=cc: cc)
+        assert qk._hardware_e4m3(torch.device("cuda")) is want, cc
+    spec = get_format(fmt)
+    block_m, blocks, warps, spread = qk.TILE[spec.name]
+    constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True, HW_E4M3=False,
+                      BLOCK=spec.block, VEC=8, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread)
+    signature = {"X": "*bf16", "DATA": "*i32" if spec.packed else "*u8", "SCALE": "*u8", "G": "*fp32",
+                 "TABLE": "*fp32", "M": "i32", "K": "i32", "n_cols": "i32", "stride_xm": "i32"}
+    src = ASTSource(qk.quantize_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                    constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": warps})
+    assert not re.search(r"cvt\.rn\.satfinite\.e4m3", compiled.asm["ptx"])

@@ -310,7 +310,7 @@ def test_quantize_rotation_sass_sm90(fmt, b, tmp_path):
 
     spec = get_format(fmt)
     block_m, blocks, warps, spread = qk.ROTATED_TILE[spec.name]
-    constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True,
+    constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True, HW_E4M3=True,
                       BLOCK=spec.block, VEC=8, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=b)
     signature = {"X": "*bf16", "DATA": "*i32" if spec.packed else "*u8", "SCALE": "*u8", "G": "*fp32",
                  "TABLE": "*fp32", "M": "i32", "K": "i32", "n_cols": "i32", "stride_xm": "i32"}

@@ -49,7 +49,7 @@ def unprepare(prepared, fmt, shape, global_scale=None) -> QTensor:
 
 def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0)) -> str:
     """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins.
-    dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90)."""
+    dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90, FP8 sm_89)."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
     if forced:
         if forced not in KERNELS:
@@ -58,14 +58,18 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
             raise ValueError(f"sm90: the fp8 kernel takes {', '.join(FP8_FORMATS)} weights, not {fmt}")
         if forced == "wgmma" and (dtype != torch.bfloat16 or cc[0] != 9):
             raise ValueError(f"sm90: the wgmma kernel takes bf16 activations on sm_90, not {dtype} on sm_{cc[0]}{cc[1]}")
-        return forced
-    if options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
-        return "fp8"
-    if m <= DECODE_MAX_M:
-        return "decode"
-    if m <= WGMMA_MAX_M and dtype == torch.bfloat16 and cc[0] == 9:
-        return "wgmma"
-    return "dequant"
+        kernel = forced
+    elif options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
+        kernel = "fp8"
+    elif m <= DECODE_MAX_M:
+        kernel = "decode"
+    elif m <= WGMMA_MAX_M and dtype == torch.bfloat16 and cc[0] == 9:
+        kernel = "wgmma"
+    else:
+        kernel = "dequant"
+    if kernel == "fp8" and tuple(cc) < (8, 9):
+        raise ValueError(f"sm90: the fp8 kernel needs FP8 tensor cores (sm_89 or later), not sm_{cc[0]}{cc[1]}")
+    return kernel
 
 
 def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):

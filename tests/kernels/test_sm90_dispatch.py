@@ -1,0 +1,47 @@
+"""The Hopper dispatch rule (sm90.choose_kernel, docs/dispatch.md), checked on the CPU: it reads only
+the format, M, the options, the activation dtype and the compute capability."""
+
+import pytest
+import torch
+
+from microscale.kernels import sm90
+
+
+def test_rule_by_m_dtype_and_architecture(monkeypatch):
+    monkeypatch.delenv("MICROSCALE_SM90_KERNEL", raising=False)
+    assert sm90.choose_kernel("nvfp4", 1, {}) == "decode"
+    assert sm90.choose_kernel("nvfp4", sm90.DECODE_MAX_M, {}) == "decode"
+    assert sm90.choose_kernel("nvfp4", sm90.DECODE_MAX_M + 1, {}) == "wgmma"
+    assert sm90.choose_kernel("nvfp4", 128, {}, torch.float16) == "dequant"  # wgmma kernel: bf16 only
+    assert sm90.choose_kernel("nvfp4", 128, {}, cc=(8, 9)) == "dequant"  # no wgmma before sm_90
+    assert sm90.choose_kernel("nvfp4", 1, {}, cc=(8, 0)) == "decode"  # the decode kernel runs on sm_80
+    assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M + 1, {}) == "dequant"
+    assert sm90.choose_kernel("mxfp4", 4096, {"fp8_activations": True}) == "fp8"
+    assert sm90.choose_kernel("mxfp4", sm90.FP8_MIN_M - 1, {"fp8_activations": True}) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 4096, {"fp8_activations": True}) == "dequant"  # FP8 path: MX weights only
+
+
+def test_explicit_kernel_wins_and_is_checked(monkeypatch):
+    monkeypatch.delenv("MICROSCALE_SM90_KERNEL", raising=False)
+    assert sm90.choose_kernel("nvfp4", 4096, {"kernel": "decode"}) == "decode"
+    monkeypatch.setenv("MICROSCALE_SM90_KERNEL", "dequant")
+    assert sm90.choose_kernel("nvfp4", 1, {}) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 1, {"kernel": "decode"}) == "decode"  # the argument beats the variable
+    monkeypatch.setenv("MICROSCALE_SM90_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="unknown kernel 'fastest'"):
+        sm90.choose_kernel("nvfp4", 1, {})
+    monkeypatch.delenv("MICROSCALE_SM90_KERNEL")
+    with pytest.raises(ValueError, match="bf16"):
+        sm90.choose_kernel("nvfp4", 128, {"kernel": "wgmma"}, torch.float16)
+    with pytest.raises(ValueError, match="sm_90"):
+        sm90.choose_kernel("nvfp4", 128, {"kernel": "wgmma"}, cc=(8, 9))
+    with pytest.raises(ValueError, match="takes mxfp4, mxfp8 weights, not nvfp4"):
+        sm90.choose_kernel("nvfp4", 4096, {"kernel": "fp8"})
+
+
+@pytest.mark.parametrize("options", [{"kernel": "fp8"}, {"fp8_activations": True}])
+def test_fp8_path_needs_sm89(options):
+    """A100 has no FP8 tensor cores (torch._scaled_mm and the E4M3 transcode need sm_89): a clear error."""
+    with pytest.raises(ValueError, match="needs FP8 tensor cores .sm_89 or later., not sm_80"):
+        sm90.choose_kernel("mxfp8", 4096, options, cc=(8, 0))
+    assert sm90.choose_kernel("mxfp8", 4096, options, cc=(8, 9)) == "fp8"
