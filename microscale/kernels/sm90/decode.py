@@ -19,6 +19,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import layout as hopper_layout
 
@@ -153,21 +154,28 @@ def _dequant_tile(w, s, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
 
 
 @gluon.jit
-def _weight_tile_pointers(W, S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
-    """Base pointers of row tile pid_n and per-lane offsets of its word tile [RG, U, 32, WORDS] (int32)
-    and scale tile [RG, U, 32, 2] (bytes) within one K step; _load_w adds the K step."""
-    WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
+def _scale_tile_pointers(S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
+    """Base pointer of row tile pid_n's scales and per-lane offsets of its scale tile [RG, U, 32, 2]
+    (bytes) within one K step."""
     SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32  # scale bytes per row group and K step
-    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-    w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
-    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
     s_rg, s_u, s_lane, s_rsel = _tile_index(s_layout, RG, U, 2)
     if FMT != 0:
         s_lane = (s_lane >> 2) * 2 + ((s_lane & 3) >> 1)  # lanes 2j, 2j+1 share a block of 32
     s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane * 2 + s_rsel
+    return S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES, s_off
+
+
+@gluon.jit
+def _weight_tile_pointers(W, S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
+    """Base pointers of row tile pid_n and per-lane offsets of its word tile [RG, U, 32, WORDS] (int32)
+    and scale tile [RG, U, 32, 2] (bytes) within one K step; _load_w adds the K step."""
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
+    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
     W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * RG).to(gl.int64) * KT * (32 * WORDS)
-    S_base = S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES
+    S_base, s_off = _scale_tile_pointers(S, pid_n, KT, FMT, NW, RG, U)
     return W_base, w_off, S_base, s_off
 
 
@@ -252,6 +260,112 @@ def decode_gemm_kernel(
         if j < n_iter % DEPTH:
             w, s = tiles[j]
             acc = _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout)
+
+    n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
+    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, n_idx, m_idx, M, N, stride_ym, pid_s, n_split,
+            pid_m * gl.num_programs(0) + pid_n, HAS_BIAS, SPLIT)
+
+
+@gluon.jit
+def _load_s(S_base, s_off, kt, FMT: gl.constexpr):
+    """The scale tile of K steps kt .. kt+U-1 (the weight words come by TMA in decode_tma_gemm_kernel)."""
+    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32
+    return gl.load(S_base + s_off + kt * SCALE_BYTES, eviction_policy="evict_first")
+
+
+@gluon.jit
+def _tma_issue(w_desc, w_smem, bars, j, row0, k_begin, n_iter, U: gl.constexpr, STAGES: gl.constexpr):
+    """Start the copy of weight tile j (K steps k_begin + j*U ..) into stage j % STAGES, if j < n_iter."""
+    bar = bars.index(j % STAGES)
+    mbarrier.expect(bar, w_desc.block_type.nbytes, pred=j < n_iter)
+    tma.async_copy_global_to_shared(w_desc, [row0, k_begin + j * U, 0], bar, w_smem.index(j % STAGES), pred=j < n_iter)
+
+
+@gluon.jit
+def decode_tma_gemm_kernel(
+    X, W_DESC, S, ROW_MULT, BIAS, Y, WS, TICKETS,
+    M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
+    FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+    NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """decode_gemm_kernel with the weight words streamed by TMA through a ring of STAGES tiles in
+    shared memory (W_DESC: the prepared words as [row groups, K steps, 32 * WORDS] int32, block
+    [RG, U, 32 * WORDS]) instead of registers: many more bytes in flight per program without
+    registers, so fewer programs (and fewer K splits) keep the memory busy. Each thread reads back
+    the 16 (FP4) or 32 (FP8) bytes per row group and K step that its register loads would have
+    fetched; the scales still come by register loads, DEPTH tiles ahead.
+
+    Not yet measured (no device time left when it was written). What to watch: Triton puts a proxy
+    fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC) between a trip's shared-memory reads and the refill of
+    that stage; if the membar waits for the scale loads still in flight, the scales should come by
+    TMA too (the MX lane-pair sharing needs a broadcast read layout)."""
+    RG: gl.constexpr = NW * R
+    BN: gl.constexpr = RG * ROW_GROUP
+    BK: gl.constexpr = U * K_STEP
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    x_layout: gl.constexpr = _x_load_layout(NW, U, BMX)
+    w_read: gl.constexpr = gl.BlockedLayout([1, 1, WORDS], [1, 1, 32], [NW, 1, 1], [2, 1, 0])
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+
+    pid_n = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_begin = pid_s * steps_per_split
+    k_end = gl.minimum(k_begin + steps_per_split, KT)
+    n_iter = gl.maximum(k_end - k_begin, 0) // U
+    k_last = gl.maximum(k_end - U, 0)
+
+    gl.static_assert(STAGES >= DEPTH)  # the trips after the unrolled loop issue no copies
+    S_base, s_off = _scale_tile_pointers(S, pid_n, KT, FMT, NW, RG, U)
+    x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
+    x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
+    x_ptr = X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :]
+    x_row_ok = (x_m < M)[:, None]
+
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, RG, U, 32 * WORDS], W_DESC.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(bars.index(j), count=1)
+    row0 = pid_n * RG
+    for j in gl.static_range(STAGES):
+        _tma_issue(W_DESC, w_smem, bars, j, row0, k_begin, n_iter, U, STAGES)
+
+    # Trip i: wait for tile i, read it into registers, hand its stage to tile i + STAGES (after every
+    # warp's read: the fence orders the reads before the asynchronous copy, the barrier makes it
+    # every warp's), then decode and multiply. Scales rotate through DEPTH register tiles as the
+    # weights do in decode_gemm_kernel.
+    scales = ()
+    for j in gl.static_range(DEPTH):
+        scales = scales + (_load_s(S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)
+    acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
+    for t in range(n_iter // DEPTH):
+        for j in gl.static_range(DEPTH):
+            i = t * DEPTH + j
+            kt = k_begin + i * U
+            mbarrier.wait(bars.index(i % STAGES), (i // STAGES) & 1, deps=[w_smem])
+            w = w_smem.index(i % STAGES).load(w_read).reshape(RG, U, 32, WORDS)
+            w = gl.convert_layout(w, w_layout, assert_trivial=True)
+            gl.thread_barrier()
+            _tma_issue(W_DESC, w_smem, bars, i + STAGES, row0, k_begin, n_iter, U, STAGES)
+            nxt = _load_s(S_base, s_off, gl.minimum(kt + DEPTH * U, k_last), FMT)
+            acc = _mma_step(acc, w, scales[0], x_ptr, x_row_ok, x_k, kt, K, FMT, RG, U, a_layout, b_layout)
+            scales = scales[1:] + (nxt,)
+    for j in gl.static_range(DEPTH - 1):
+        if j < n_iter % DEPTH:
+            i = (n_iter // DEPTH) * DEPTH + j
+            mbarrier.wait(bars.index(i % STAGES), (i // STAGES) & 1, deps=[w_smem])
+            w = w_smem.index(i % STAGES).load(w_read).reshape(RG, U, 32, WORDS)
+            w = gl.convert_layout(w, w_layout, assert_trivial=True)
+            acc = _mma_step(acc, w, scales[j], x_ptr, x_row_ok, x_k, k_begin + i * U, K, FMT, RG, U,
+                            a_layout, b_layout)
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(j))
 
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))

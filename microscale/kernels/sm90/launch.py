@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...formats.spec import E4M3_MAX
 from ..quantize import _e4m3_bits
@@ -39,6 +41,7 @@ class DecodeConfig:
     block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
     split: int = 0  # K splits; 0 = chosen from the grid size
     ctas_per_sm: int = 4  # target programs per SM when the split is chosen
+    stages: int = 0  # > 0: weight words by TMA through this many shared-memory tiles (decode_tma_gemm_kernel)
 
     @property
     def block_n(self) -> int:
@@ -100,13 +103,30 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     ws = workspace if workspace is not None else torch.empty(split * m * n if split > 1 else 1,
                                                              dtype=torch.float32, device=x.device)
     tickets = _tickets(x.device, tiles_n * tiles_m)
-    decode.decode_gemm_kernel[(tiles_n, split, tiles_m)](
-        x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, tickets,
+    kernel, weights, extra = decode.decode_gemm_kernel, data, {}
+    if cfg.stages:
+        kernel, weights, extra = decode.decode_tma_gemm_kernel, _word_descriptor(data, fmt_code, np_, kt, cfg), {
+            "STAGES": cfg.stages}
+    kernel[(tiles_n, split, tiles_m)](
+        x, weights, scale, row_mult, bias if bias is not None else row_mult, y, ws, tickets,
         m, n, k, kt, steps, split, x.stride(0), y.stride(0),
         FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, R=cfg.reps, U=cfg.unroll,
-        BMX=cfg.block_m, DEPTH=cfg.depth, num_warps=cfg.num_warps,
+        BMX=cfg.block_m, DEPTH=cfg.depth, num_warps=cfg.num_warps, **extra,
     )
     return y
+
+
+WORD_TILE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+
+
+def _word_descriptor(data, fmt_code: int, np_: int, kt: int, cfg: DecodeConfig) -> TensorDescriptor:
+    """TMA descriptor of the prepared words as [row groups, K steps, 32 lanes x words] int32, one box =
+    the [16 * num_warps * reps rows, unroll K steps] tile of one decode trip (no swizzle: each lane
+    reads back its 16 or 32 contiguous bytes, conflict-free)."""
+    words_per_step = 32 * (8 if fmt_code == 2 else 4)
+    words = data.view(torch.int32).view(np_ // ROW_GROUP, kt, words_per_step)
+    return TensorDescriptor(words, list(words.shape), list(words.stride()),
+                            [cfg.num_warps * cfg.reps, cfg.unroll, words_per_step], WORD_TILE_LAYOUT)
 
 
 @dataclass(frozen=True)
