@@ -52,6 +52,26 @@ def test_decode_kernel_sass(fmt, tmp_path):
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
 
 
+@pytest.mark.parametrize("cc", [80, 120])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_decode_and_dequant_kernels_build_for_sm80_and_sm120(fmt, cc):
+    """The backend also serves sm_80-sm_89 and sm_120 (behind the first-use self-test): the decode
+    and dequantize kernels must build there (mma.sync and the bf16x2 decode exist on both)."""
+    signature = {"X": "*bf16", "W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
+                 "WS": "*fp32", "TICKETS": "*i32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32",
+                 "steps_per_split": "i32", "n_split": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2)
+    src = GluonASTSource(decode.decode_gemm_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                         constexprs=constexprs)
+    assert "mma.sync" in triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4}).asm["ptx"]
+    signature = {"W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "OUT": "*bf16", "INEXACT": "*i32", "KT": "i32",
+                 "ld_out": "i32", "factor": "fp32"}
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], TO_FP8=False, NW=4, R=1, U=2)
+    src = GluonASTSource(decode.dequant_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                         constexprs=constexprs)
+    triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+
+
 @pytest.mark.parametrize("to_fp8", [False, True])
 def test_dequant_kernel_sass(to_fp8, tmp_path):
     signature = {"W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "OUT": "*fp8e4nv" if to_fp8 else "*bf16",

@@ -45,3 +45,23 @@ def test_fp8_path_needs_sm89(options):
     with pytest.raises(ValueError, match="needs FP8 tensor cores .sm_89 or later., not sm_80"):
         sm90.choose_kernel("mxfp8", 4096, options, cc=(8, 0))
     assert sm90.choose_kernel("mxfp8", 4096, options, cc=(8, 9)) == "fp8"
+
+
+@pytest.mark.parametrize("cc,tested", [((9, 0), None), ((8, 0), True), ((8, 6), False), ((8, 9), True),
+                                       ((12, 0), True), ((12, 1), False), ((10, 0), None), ((7, 5), None),
+                                       (None, None)])
+def test_available_where_run_or_self_tested(monkeypatch, cc, tested):
+    """sm_90 (tested on the H200): available. sm_80-sm_89 and sm_120: the kernels compile there but
+    never ran here, so the first-use self-test decides (its verdict stubbed here; its own tests are
+    in test_sm100_triton_selftest.py, the sm90 run in test_sm90_gemm.py). Anything else: not available."""
+    calls = []
+
+    def fake_selftest(name, run_fn, device, pairs):
+        calls.append((name, tuple(pairs)))
+        return tested
+
+    monkeypatch.setattr(sm90, "compute_capability", lambda device: cc)
+    monkeypatch.setattr(sm90, "selftest_passed", fake_selftest)
+    want = {(9, 0): True}.get(cc, bool(tested))
+    assert sm90._available(torch.device("cuda")) is want
+    assert calls == ([] if tested is None else [("sm90", sm90.SELFTEST_PAIRS)])

@@ -136,6 +136,13 @@ def test_dispatch_picks_sm90():
     assert dispatch.select_backend("nvfp4", "cuda").name == "sm90"  # the kernel rule: test_sm90_dispatch.py
 
 
+def test_first_use_selftest_passes_where_the_kernels_are_tested():
+    """The self-test that gates this backend on sm_80-sm_89 and sm_120 must pass on the H200, where the
+    kernels are tested: it covers the decode kernel (M=5) and the larger-M kernels (M=40, 150)."""
+    from microscale.kernels import selftest, sm90
+    assert selftest.run_selftest(selftest.backend_run_fn(sm90.BACKEND), "cuda", sm90.SELFTEST_PAIRS) == []
+
+
 def test_linear_end_to_end(seed):
     from microscale.kernels import dispatch
     x, q, b, y64, mag = _case("nvfp4", 7, 256, 512, torch.bfloat16, seed)

@@ -1,5 +1,10 @@
 """The `sm90` backend: Hopper (and Ampere) kernels for NVFP4 / MXFP4 / MXFP8 weights.
 
+Where: sm_90 (H100/H200, where the kernels are tested and measured). On sm_80 to sm_89 and on
+sm_120 (consumer Blackwell, which has no tcgen05) the same kernels compile (CI checks sm_80 and
+sm_120 builds) but never ran here, so there the backend is available only once the first-use
+self-test (microscale.kernels.selftest) has passed on the device.
+
 prepare: one-time re-layout of a canonical QTensor (layout.shuffle_weights): pre-shuffled codes,
     rebased block scales and a per-row float32 factor, returned as (data, scale, row_mult) in the
     place of (data, scale, global_scale). Checkpoints keep the canonical layout.
@@ -22,6 +27,7 @@ import torch
 from ...formats.spec import get_format
 from ...formats.tensor import QTensor
 from ..dispatch import Backend, compute_capability, register
+from ..selftest import backend_run_fn, selftest_passed
 from . import launch as paths
 from .decode import FMT_CODE
 from .layout import shuffle_weights, unshuffle_weights
@@ -34,9 +40,14 @@ KERNELS = ("decode", "wgmma", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
 
 
+SELFTEST_PAIRS = (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"))  # (activations, weights)
+
+
 def _available(device) -> bool:
     cc = compute_capability(device)
-    return cc is not None and (8, 0) <= cc < (10, 0)
+    if cc is None or not ((8, 0) <= cc < (10, 0) or cc[0] == 12):
+        return False
+    return cc[0] == 9 or selftest_passed(NAME, backend_run_fn(BACKEND), device, SELFTEST_PAIRS)
 
 
 def prepare(w: QTensor):
@@ -92,7 +103,7 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
     return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
 
 
-register(Backend(
+BACKEND = Backend(
     name=NAME,
     formats=frozenset(FMT_CODE),
     available=_available,
@@ -100,4 +111,5 @@ register(Backend(
     gemm=gemm,
     options=frozenset({"fp8_activations", "kernel"}),
     unprepare=unprepare,
-))
+)
+register(BACKEND)
