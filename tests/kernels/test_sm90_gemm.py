@@ -95,10 +95,12 @@ def test_dequant_cublas(fmt, m, n, k, seed):
     from microscale.kernels.sm90.layout import padded_shape
     x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
     prep = prepare(q)
-    ws = torch.full(padded_shape(n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-    for chunk in (0, 128):
-        y = paths.dequant_gemm(x, *prep, b, FMT_CODE[fmt], n, k, chunk_rows=chunk, workspace=ws if not chunk else None)
-        _check(y, y64, mag, k, torch.bfloat16, weight_rounding=True)
+    for cfg in (paths.DequantConfig(), paths.DequantConfig(reps=2, unroll=4), paths.DequantConfig(num_warps=8, unroll=1)):
+        for chunk in (0, 128):
+            ws = torch.full(padded_shape(n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+            y = paths.dequant_gemm(x, *prep, b, FMT_CODE[fmt], n, k, chunk_rows=chunk,
+                                   workspace=ws if not chunk else None, cfg=cfg)
+            _check(y, y64, mag, k, torch.bfloat16, weight_rounding=True)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])

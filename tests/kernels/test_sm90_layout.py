@@ -227,3 +227,13 @@ def test_decode_tile_must_divide_the_padded_rows():
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=f"tile of {cfg.block_n} rows does not divide the {ROW_ALIGN} padded"):
         launch.decode_gemm(x, None, None, None, None, 0, 100, 256, cfg)
+
+
+def test_dequantize_tile_must_divide_the_weight():
+    from microscale.kernels.sm90 import launch
+
+    out = torch.empty(128, 256)
+    with pytest.raises(ValueError, match="a 256 x 128 tile does not divide the 128 x 256 weight"):
+        launch.dequantize_rows(None, None, None, 0, 0, 128, 256, out, launch.DequantConfig(reps=4))
+    with pytest.raises(ValueError, match="a 64 x 256 tile does not divide the 128 x 192 weight"):
+        launch.dequantize_rows(None, None, None, 0, 0, 128, 192, out, launch.DequantConfig(unroll=4))

@@ -149,18 +149,31 @@ def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cf
     return y
 
 
-def dequantize_rows(data, scale, row_mult, fmt_code: int, n0: int, rows: int, kp: int, out: torch.Tensor):
-    """out[:rows, :kp] = W[n0 : n0+rows] in out's dtype (rows a multiple of 64)."""
+@dataclass(frozen=True)
+class DequantConfig:
+    """Tile of dequant_kernel: 16 * num_warps * reps rows (dividing layout.ROW_ALIGN) by 64 * unroll K."""
+    num_warps: int = 4
+    reps: int = 1
+    unroll: int = 2
+
+
+def dequantize_rows(data, scale, row_mult, fmt_code: int, n0: int, rows: int, kp: int, out: torch.Tensor,
+                    cfg: DequantConfig = DequantConfig()):
+    """out[:rows, :kp] = W[n0 : n0+rows] in out's dtype (rows a multiple of the tile's)."""
     kt = kp // K_STEP
     rg0 = n0 // ROW_GROUP
-    decode.dequant_kernel[(rows // 64, kt // 2)](
+    tile_rows = ROW_GROUP * cfg.num_warps * cfg.reps
+    if rows % tile_rows or kt % cfg.unroll:
+        raise ValueError(f"dequantize_rows: a {tile_rows} x {cfg.unroll * K_STEP} tile does not divide the "
+                         f"{rows} x {kp} weight")
+    decode.dequant_kernel[(rows // tile_rows, kt // cfg.unroll)](
         data[rg0:], scale[rg0:], row_mult[n0:], out, row_mult, kt, out.stride(0), 1.0,
-        FMT=fmt_code, TO_FP8=False, NW=4, R=1, U=2, num_warps=4,
+        FMT=fmt_code, TO_FP8=False, NW=cfg.num_warps, R=cfg.reps, U=cfg.unroll, num_warps=cfg.num_warps,
     )
 
 
 def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, chunk_rows: int = 0,
-                 workspace=None):
+                 workspace=None, cfg: DequantConfig = DequantConfig()):
     """y = x @ W^T (+ bias) through cuBLAS on W dequantized to x's dtype.
 
     chunk_rows = 0 dequantizes all of W into one workspace, then one GEMM. Otherwise W goes
@@ -171,14 +184,14 @@ def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, 
     np_, kp = padded_shape(n, k)
     if not chunk_rows or chunk_rows >= np_:
         ws = torch.empty(np_, kp, dtype=x.dtype, device=x.device) if workspace is None else workspace
-        dequantize_rows(data, scale, row_mult, fmt_code, 0, np_, kp, ws)
+        dequantize_rows(data, scale, row_mult, fmt_code, 0, np_, kp, ws, cfg)
         y = torch.mm(x, ws[:n, :k].t()) if bias is None else torch.addmm(bias.to(x.dtype), x, ws[:n, :k].t())
         return y
     ws = torch.empty(chunk_rows, kp, dtype=x.dtype, device=x.device)
     yt = torch.empty(n, m, dtype=x.dtype, device=x.device)
     for n0 in range(0, n, chunk_rows):
         rows = min(chunk_rows, np_ - n0)
-        dequantize_rows(data, scale, row_mult, fmt_code, n0, rows, kp, ws)
+        dequantize_rows(data, scale, row_mult, fmt_code, n0, rows, kp, ws, cfg)
         cols = min(chunk_rows, n - n0)
         torch.mm(ws[:cols, :k], x.t(), out=yt[n0:n0 + cols])
     y = yt.t().contiguous()
