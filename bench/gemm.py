@@ -266,6 +266,8 @@ def write_table(results: dict, path="BENCHMARKS.md"):
         "",
     ]
     lines += _key_results(results)
+    if os.path.exists(os.path.join(os.path.dirname(path) or ".", "bench/results/gemm_h200.png")):
+        lines += ["![speed-up over cuBLAS bf16 against M](bench/results/gemm_h200.png)", ""]
     lines += [
         "## GEMM (y = x @ W^T, x bf16 [M, K], W [N, K] quantized)",
         "",
