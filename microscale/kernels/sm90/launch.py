@@ -41,7 +41,8 @@ class DecodeConfig:
     block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
     split: int = 0  # K splits; 0 = chosen from the grid size
     ctas_per_sm: int = 4  # target programs per SM when the split is chosen
-    stages: int = 0  # > 0: weight words by TMA through this many shared-memory tiles (decode_tma_gemm_kernel)
+    stages: int = 0  # > 0: weight words through this many shared-memory tiles (decode_ring_gemm_kernel)
+    copy: str = "tma"  # how they get there: "tma" (one box per tile) or "cp.async" (each thread its own bytes)
 
     @property
     def block_n(self) -> int:
@@ -136,8 +137,11 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
                       U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth)
     if cfg.stages:
-        kernel, weights = decode.decode_tma_gemm_kernel, _word_descriptor(data, fmt_code, np_, kt, cfg)
-        constexprs["STAGES"] = cfg.stages
+        if cfg.copy not in ("tma", "cp.async"):
+            raise ValueError(f"DecodeConfig.copy {cfg.copy!r} not in ('tma', 'cp.async')")
+        kernel, tma = decode.decode_ring_gemm_kernel, cfg.copy == "tma"
+        weights = _word_descriptor(data, fmt_code, np_, kt, cfg) if tma else data
+        constexprs.update(STAGES=cfg.stages, TMA=tma)
     # workspace (fp32), steps and split are placeholders until the split is known
     args = [x, weights, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
