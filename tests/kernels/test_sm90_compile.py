@@ -72,6 +72,35 @@ def test_decode_and_dequant_kernels_build_for_sm80_and_sm120(fmt, cc):
     triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
 
 
+@pytest.mark.parametrize("copy", ["tma", "cp.async"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_decode_ring_kernel_sass(fmt, copy, tmp_path):
+    """The shared-memory ring variant: weight tiles by UTMALDG (completion by mbarrier) or by 16-byte
+    LDGSTS (completion by commit groups), read back 16 bytes at a time, the same MMA and scale
+    multiply, no weight words by register loads, no spills."""
+    from microscale.kernels.sm90.launch import WORD_TILE_LAYOUT
+
+    words = 32 * (8 if fmt == "mxfp8" else 4)
+    w_type = f"tensordesc<i32[4,2,{words}],{WORD_TILE_LAYOUT!r}>" if copy == "tma" else "*u8"
+    signature = {"X": "*bf16", "W": w_type, "S": "*u8", "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
+                 "WS": "*fp32", "TICKETS": "*i32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32",
+                 "steps_per_split": "i32", "n_split": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2, STAGES=4,
+                      TMA=copy == "tma")
+    aligned = (0, 2, 3, 4, 5, 6, 7, 10, 14, 15) if copy == "tma" else (0, 1, 2, 3, 4, 5, 6, 7, 10, 14, 15)
+    ops = _ops(_sass(decode.decode_ring_gemm_kernel, signature, constexprs, aligned, tmp_path))
+    if copy == "tma":
+        assert any(o.startswith("UTMALDG.3D") for o in ops)  # the weight tiles, by TMA
+        assert any(o.startswith("SYNCS.PHASECHK") for o in ops)  # waits on their mbarriers
+    else:
+        assert any(o.startswith("LDGSTS") and ".128" in o for o in ops)  # each thread's 16-byte pieces
+        assert any(o.startswith("DEPBAR") for o in ops)  # cp.async.wait_group
+    assert "LDS.128" in ops  # each lane's 16 bytes per row group and K step, back from shared memory
+    assert not any(o.startswith("LDG.E.EF.128") for o in ops)  # no weight words by register loads
+    assert any(o.startswith("HMMA.16816.F32.BF16") for o in ops) and any(o.startswith("HMUL2.BF16") for o in ops)
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
+
+
 @pytest.mark.parametrize("to_fp8", [False, True])
 def test_dequant_kernel_sass(to_fp8, tmp_path):
     signature = {"W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "OUT": "*fp8e4nv" if to_fp8 else "*bf16",

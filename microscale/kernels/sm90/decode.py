@@ -19,6 +19,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import layout as hopper_layout
 
@@ -153,21 +155,28 @@ def _dequant_tile(w, s, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
 
 
 @gluon.jit
-def _weight_tile_pointers(W, S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
-    """Base pointers of row tile pid_n and per-lane offsets of its word tile [RG, U, 32, WORDS] (int32)
-    and scale tile [RG, U, 32, 2] (bytes) within one K step; _load_w adds the K step."""
-    WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
+def _scale_tile_pointers(S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
+    """Base pointer of row tile pid_n's scales and per-lane offsets of its scale tile [RG, U, 32, 2]
+    (bytes) within one K step."""
     SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32  # scale bytes per row group and K step
-    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-    w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
-    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
     s_rg, s_u, s_lane, s_rsel = _tile_index(s_layout, RG, U, 2)
     if FMT != 0:
         s_lane = (s_lane >> 2) * 2 + ((s_lane & 3) >> 1)  # lanes 2j, 2j+1 share a block of 32
     s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane * 2 + s_rsel
+    return S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES, s_off
+
+
+@gluon.jit
+def _weight_tile_pointers(W, S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
+    """Base pointers of row tile pid_n and per-lane offsets of its word tile [RG, U, 32, WORDS] (int32)
+    and scale tile [RG, U, 32, 2] (bytes) within one K step; _load_w adds the K step."""
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
+    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
     W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * RG).to(gl.int64) * KT * (32 * WORDS)
-    S_base = S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES
+    S_base, s_off = _scale_tile_pointers(S, pid_n, KT, FMT, NW, RG, U)
     return W_base, w_off, S_base, s_off
 
 
@@ -252,6 +261,144 @@ def decode_gemm_kernel(
         if j < n_iter % DEPTH:
             w, s = tiles[j]
             acc = _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout)
+
+    n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
+    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, n_idx, m_idx, M, N, stride_ym, pid_s, n_split,
+            pid_m * gl.num_programs(0) + pid_n, HAS_BIAS, SPLIT)
+
+
+@gluon.jit
+def _load_s(S_base, s_off, kt, FMT: gl.constexpr):
+    """The scale tile of K steps kt .. kt+U-1 (decode_ring_gemm_kernel streams the words through shared memory)."""
+    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32
+    return gl.load(S_base + s_off + kt * SCALE_BYTES, eviction_policy="evict_first")
+
+
+@gluon.jit
+def _ring_issue(W, w_off, w_smem, bars, j, row0, k_begin, n_iter, U: gl.constexpr, STAGES: gl.constexpr,
+                WORDS: gl.constexpr, TMA: gl.constexpr):
+    """Start the copy of weight tile j (K steps k_begin + j*U ..) into stage j % STAGES, if j < n_iter:
+    one TMA box (W a descriptor) tracked by the stage's mbarrier, or every thread's own 16-byte pieces
+    by cp.async (W the word pointer of the row tile) in one commit group per tile."""
+    if TMA:
+        bar = bars.index(j % STAGES)
+        mbarrier.expect(bar, W.block_type.nbytes, pred=j < n_iter)
+        tma.async_copy_global_to_shared(W, [row0, k_begin + j * U, 0], bar, w_smem.index(j % STAGES), pred=j < n_iter)
+    else:
+        async_copy.async_copy_global_to_shared(w_smem.index(j % STAGES), W + w_off + (k_begin + j * U) * (32 * WORDS),
+                                               mask=(w_off >= 0) & (j < n_iter), eviction_policy="evict_first")
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _ring_read(w_smem, bars, i, w_read: gl.constexpr, w_layout: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
+               STAGES: gl.constexpr, WORDS: gl.constexpr, TMA: gl.constexpr):
+    """Tile i from its stage, in the register layout of decode_gemm_kernel's loads."""
+    if TMA:
+        mbarrier.wait(bars.index(i % STAGES), (i // STAGES) & 1, deps=[w_smem])
+    else:
+        async_copy.wait_group(STAGES - 1)  # tiles i+1 .. i+STAGES-1 may still be in flight
+    w = w_smem.index(i % STAGES).load(w_read).reshape(RG, U, 32, WORDS)
+    return gl.convert_layout(w, w_layout, assert_trivial=True)
+
+
+@gluon.jit
+def decode_ring_gemm_kernel(
+    X, W, S, ROW_MULT, BIAS, Y, WS, TICKETS,
+    M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
+    FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+    NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
+    STAGES: gl.constexpr, TMA: gl.constexpr,
+):
+    """decode_gemm_kernel with the weight words streamed through a ring of STAGES tiles in shared
+    memory instead of registers: many more bytes in flight per program without registers, so fewer
+    programs (and fewer K splits) keep the memory busy. TMA: W is a descriptor of the prepared words
+    as [row groups, K steps, 32 * WORDS] int32 with block [RG, U, 32 * WORDS], one box per tile and an
+    mbarrier per stage. Otherwise W is the word pointer and every thread cp.asyncs the 16 (FP4) or 32
+    (FP8) bytes per row group and K step that it reads back itself. Either way each thread reads back
+    what its register loads would have fetched; the scales still come by register loads, DEPTH tiles
+    ahead.
+
+    Not yet measured (no device time left when it was written). What to watch: with TMA, Triton puts a
+    proxy fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC) between a trip's shared-memory reads and the refill
+    of that stage; if the membar waits for the scale loads still in flight, the scales should come by
+    TMA too (the MX lane-pair sharing needs a broadcast read layout)."""
+    RG: gl.constexpr = NW * R
+    BN: gl.constexpr = RG * ROW_GROUP
+    BK: gl.constexpr = U * K_STEP
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4
+    gl.static_assert(STAGES >= DEPTH)  # the trips after the unrolled loop issue no copies
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    x_layout: gl.constexpr = _x_load_layout(NW, U, BMX)
+    w_read: gl.constexpr = gl.BlockedLayout([1, 1, WORDS], [1, 1, 32], [NW, 1, 1], [2, 1, 0])
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+
+    pid_n = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_begin = pid_s * steps_per_split
+    k_end = gl.minimum(k_begin + steps_per_split, KT)
+    n_iter = gl.maximum(k_end - k_begin, 0) // U
+    k_last = gl.maximum(k_end - U, 0)
+
+    S_base, s_off = _scale_tile_pointers(S, pid_n, KT, FMT, NW, RG, U)
+    x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
+    x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
+    x_ptr = X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :]
+    x_row_ok = (x_m < M)[:, None]
+
+    row0 = pid_n * RG
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if TMA:
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, RG, U, 32 * WORDS], W.layout)
+        for j in gl.static_range(STAGES):
+            mbarrier.init(bars.index(j), count=1)
+        w_base, w_off = W, 0
+    else:
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, RG, U, 32 * WORDS], plain)
+        rg = gl.arange(0, RG, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_read)))
+        u = gl.arange(0, U, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_read)))
+        q = gl.arange(0, 32 * WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_read)))
+        w_off = (rg[:, None, None] * KT + u[None, :, None]) * (32 * WORDS) + q[None, None, :]
+        w_base = W.to(gl.pointer_type(gl.int32)) + row0.to(gl.int64) * KT * (32 * WORDS)
+    for j in gl.static_range(STAGES):
+        _ring_issue(w_base, w_off, w_smem, bars, j, row0, k_begin, n_iter, U, STAGES, WORDS, TMA)
+
+    # Trip i: wait for tile i, read it into registers, hand its stage to tile i + STAGES (with TMA after
+    # every warp's read; with cp.async a thread refills only what it read itself), then decode and
+    # multiply. Scales rotate through DEPTH register tiles
+    # as the weights do in decode_gemm_kernel.
+    scales = ()
+    for j in gl.static_range(DEPTH):
+        scales = scales + (_load_s(S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)
+    acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
+    for t in range(n_iter // DEPTH):
+        for j in gl.static_range(DEPTH):
+            i = t * DEPTH + j
+            kt = k_begin + i * U
+            w = _ring_read(w_smem, bars, i, w_read, w_layout, RG, U, STAGES, WORDS, TMA)
+            if TMA:
+                gl.thread_barrier()  # every warp has read the stage before the copy engine refills it
+            _ring_issue(w_base, w_off, w_smem, bars, i + STAGES, row0, k_begin, n_iter, U, STAGES, WORDS, TMA)
+            nxt = _load_s(S_base, s_off, gl.minimum(kt + DEPTH * U, k_last), FMT)
+            acc = _mma_step(acc, w, scales[0], x_ptr, x_row_ok, x_k, kt, K, FMT, RG, U, a_layout, b_layout)
+            scales = scales[1:] + (nxt,)
+    for j in gl.static_range(DEPTH - 1):
+        if j < n_iter % DEPTH:
+            i = (n_iter // DEPTH) * DEPTH + j
+            w = _ring_read(w_smem, bars, i, w_read, w_layout, RG, U, STAGES, WORDS, TMA)
+            acc = _mma_step(acc, w, scales[j], x_ptr, x_row_ok, x_k, k_begin + i * U, K, FMT, RG, U,
+                            a_layout, b_layout)
+    if TMA:
+        for j in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(j))
+    else:
+        async_copy.wait_group(0)
 
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
