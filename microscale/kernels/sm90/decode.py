@@ -211,6 +211,25 @@ def _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt, K, FMT: gl.constexpr, RG: gl.
 
 
 @gluon.jit
+def _program_k_range(steps_per_split, KT, U: gl.constexpr):
+    """This program's (N tile, K split, M tile), first K step, whole trips of U steps, and the first
+    step of its last trip (loads past the split's end re-read it)."""
+    pid_s = gl.program_id(1)
+    k_begin = pid_s * steps_per_split
+    k_end = gl.minimum(k_begin + steps_per_split, KT)
+    n_iter = gl.maximum(k_end - k_begin, 0) // U
+    return gl.program_id(0), pid_s, gl.program_id(2), k_begin, n_iter, gl.maximum(k_end - U, 0)
+
+
+@gluon.jit
+def _x_pointers(X, M, stride_xm, pid_m, x_layout: gl.constexpr, BMX: gl.constexpr, BK: gl.constexpr):
+    """Pointers to the activation tile of M tile pid_m at K step 0, its row mask and K offsets."""
+    x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
+    x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
+    return X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :], (x_m < M)[:, None], x_k
+
+
+@gluon.jit
 def decode_gemm_kernel(
     X, W, S, ROW_MULT, BIAS, Y, WS, TICKETS,
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
@@ -226,20 +245,9 @@ def decode_gemm_kernel(
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     x_layout: gl.constexpr = _x_load_layout(NW, U, BMX)
 
-    pid_n = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    k_begin = pid_s * steps_per_split
-    k_end = gl.minimum(k_begin + steps_per_split, KT)
-    n_iter = gl.maximum(k_end - k_begin, 0) // U
-    k_last = gl.maximum(k_end - U, 0)
-
+    pid_n, pid_s, pid_m, k_begin, n_iter, k_last = _program_k_range(steps_per_split, KT, U)
     W_base, w_off, S_base, s_off = _weight_tile_pointers(W, S, pid_n, KT, FMT, NW, RG, U)
-
-    x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
-    x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
-    x_ptr = X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :]
-    x_row_ok = (x_m < M)[:, None]
+    x_ptr, x_row_ok, x_k = _x_pointers(X, M, stride_xm, pid_m, x_layout, BMX, BK)
 
     # K loop with DEPTH weight tiles in flight: each step issues the load DEPTH tiles ahead and consumes
     # the oldest. The trip is unrolled DEPTH times so the tiles rotate through fixed register sets (a
@@ -337,19 +345,9 @@ def decode_ring_gemm_kernel(
     w_read: gl.constexpr = gl.BlockedLayout([1, 1, WORDS], [1, 1, 32], [NW, 1, 1], [2, 1, 0])
     w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
 
-    pid_n = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    k_begin = pid_s * steps_per_split
-    k_end = gl.minimum(k_begin + steps_per_split, KT)
-    n_iter = gl.maximum(k_end - k_begin, 0) // U
-    k_last = gl.maximum(k_end - U, 0)
-
+    pid_n, pid_s, pid_m, k_begin, n_iter, k_last = _program_k_range(steps_per_split, KT, U)
     S_base, s_off = _scale_tile_pointers(S, pid_n, KT, FMT, NW, RG, U)
-    x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
-    x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
-    x_ptr = X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :]
-    x_row_ok = (x_m < M)[:, None]
+    x_ptr, x_row_ok, x_k = _x_pointers(X, M, stride_xm, pid_m, x_layout, BMX, BK)
 
     row0 = pid_n * RG
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
