@@ -162,7 +162,8 @@ def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
     from microscale.kernels.sm90.decode import FMT_CODE
     config_class, run = {"decode": (paths.DecodeConfig, paths.decode_gemm),
                          "wgmma": (paths.WgmmaConfig, paths.wgmma_gemm),
-                         "dequant": (paths.DequantConfig, lambda *a: paths.dequant_gemm(*a[:-1], cfg=a[-1]))}[kernel]
+                         "dequant": (paths.DequantConfig, lambda *a: paths.dequant_gemm(*a[:-1], cfg=a[-1])),
+                         "wgmma-ws": (paths.WgmmaWsConfig, paths.wgmma_ws_gemm)}[kernel]
     _, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
     preps = _copies(lambda: tuple(t.clone() for t in prep), sum(t.numel() * t.element_size() for t in prep))

@@ -101,6 +101,29 @@ def test_decode_ring_kernel_sass(fmt, copy, tmp_path):
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_wgmma_ws_kernel_sass(fmt, tmp_path):
+    """The warp-specialized large-M kernel: activations by TMA, 64x128 wgmmas, register budgets moved
+    between the partitions (setmaxnreg), no spills."""
+    from microscale.kernels.sm90 import launch, wgmma_ws
+
+    cfg = launch.WgmmaWsConfig()
+    signature = {"x_desc": f"tensordesc<bf16[{cfg.block_m},64],{launch.X_TILE_LAYOUT!r}>", "W": "*u8", "S": "*u8",
+                 "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16", "M": "i32", "N": "i32", "KT": "i32",
+                 "stride_ym": "i32"}
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
+                      DECODERS=cfg.decoders, DEPTH=cfg.depth, DECODER_REGS=cfg.decoder_regs)
+    sass = _sass(wgmma_ws.wgmma_ws_gemm_kernel, signature, constexprs, (1, 2, 3, 4, 5, 9), tmp_path,
+                 num_warps=cfg.block_n // 16)
+    ops = _ops(sass)
+    assert "HGMMA.64x128x16.F32.BF16" in sass
+    assert any(o.startswith("UTMALDG.2D") for o in ops)  # the activation tiles
+    assert any(o.startswith("USETMAXREG") for o in ops)  # registers moved between the partitions
+    assert any(o.startswith("SYNCS.PHASECHK") for o in ops)  # the ring's mbarriers
+    assert any(o.startswith("HMUL2.BF16") for o in ops)  # the decoders' block-scale multiply
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
+
+
 @pytest.mark.parametrize("to_fp8", [False, True])
 def test_dequant_kernel_sass(to_fp8, tmp_path):
     signature = {"W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "OUT": "*fp8e4nv" if to_fp8 else "*bf16",

@@ -85,6 +85,19 @@ def test_wgmma_kernel(fmt, m, n, k, seed):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 128, 256), (130, 200, 224), (300, 1000, 96 * 8), (1024, 384, 2048 + 32)])
+def test_wgmma_ws_kernel(fmt, m, n, k, seed):
+    from microscale.kernels.sm90 import launch as paths, prepare
+    from microscale.kernels.sm90.decode import FMT_CODE
+    x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
+    prep = prepare(q)
+    for cfg in (None, paths.WgmmaWsConfig(block_n=64, stages=3, depth=1), paths.WgmmaWsConfig(stages=2, depth=3)):
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        paths.wgmma_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y)
+        _check(y, y64, mag, k, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_kernel_fp16_activations(fmt, seed):
     from microscale.kernels import sm90
     x, q, b, y64, mag = _case(fmt, 5, 300, 512, torch.float16, seed)

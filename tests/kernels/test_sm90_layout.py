@@ -266,3 +266,13 @@ def test_split_stops_at_one_full_wave():
     assert _split_for(cfg, 64, 16, 132, resident_per_sm=5) == 9  # 576 <= 660
     assert _split_for(cfg, 900, 16, 132, resident_per_sm=1) == 1  # never below one split
     assert _split_for(DecodeConfig(split=7), 224, 16, 132, resident_per_sm=5) == 7  # a fixed split is kept
+
+
+def test_wgmma_ws_needs_aligned_bf16_rows():
+    """x goes by TMA: rows of K bf16 values must be 16-byte aligned; refused before any launch."""
+    from microscale.kernels.sm90 import launch
+
+    with pytest.raises(ValueError, match="16-byte aligned rows .got torch.bfloat16, K=100"):
+        launch.wgmma_ws_gemm(torch.zeros(4, 100, dtype=torch.bfloat16), None, None, None, None, 0, 128, 100)
+    with pytest.raises(ValueError, match="got torch.float16"):
+        launch.wgmma_ws_gemm(torch.zeros(4, 128, dtype=torch.float16), None, None, None, None, 0, 128, 128)

@@ -36,7 +36,7 @@ NAME = "sm90"
 DECODE_MAX_M = 32
 WGMMA_MAX_M = 512
 FP8_MIN_M = 1024
-KERNELS = ("decode", "wgmma", "dequant", "fp8")
+KERNELS = ("decode", "wgmma", "dequant", "fp8", "wgmma-ws")  # wgmma-ws: only when asked for (not yet measured)
 FP8_FORMATS = ("mxfp4", "mxfp8")
 
 
@@ -67,8 +67,8 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
             raise ValueError(f"sm90: unknown kernel {forced!r}; accepted: {', '.join(KERNELS)}")
         if forced == "fp8" and fmt not in FP8_FORMATS:
             raise ValueError(f"sm90: the fp8 kernel takes {', '.join(FP8_FORMATS)} weights, not {fmt}")
-        if forced == "wgmma" and (dtype != torch.bfloat16 or cc[0] != 9):
-            raise ValueError(f"sm90: the wgmma kernel takes bf16 activations on sm_90, not {dtype} on sm_{cc[0]}{cc[1]}")
+        if forced in ("wgmma", "wgmma-ws") and (dtype != torch.bfloat16 or cc[0] != 9):
+            raise ValueError(f"sm90: the {forced} kernel takes bf16 activations on sm_90, not {dtype} on sm_{cc[0]}{cc[1]}")
         kernel = forced
     elif options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
         kernel = "fp8"
@@ -99,7 +99,7 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
         x2d = x2d.contiguous()
     kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device))
     run = {"decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm, "dequant": paths.dequant_gemm,
-           "fp8": paths.fp8_gemm}[kernel]
+           "fp8": paths.fp8_gemm, "wgmma-ws": paths.wgmma_ws_gemm}[kernel]
     return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
 
 

@@ -2,6 +2,7 @@
 
     decode_gemm    M <= 64: weights dequantized in registers into mma.sync (decode.py)
     wgmma_gemm     larger M: weights dequantized per K step into shared memory, wgmma (wgmma.py)
+    wgmma_ws_gemm  large M, not yet in the dispatch rule: the same with warp specialization (wgmma_ws.py)
     dequant_gemm   large M: dequantize W into a workspace in x's dtype, then one cuBLAS GEMM (a
                    chunk-wise variant through an L2-sized workspace measured slower: BENCHMARKS.md)
     fp8_gemm       large M, opt-in (MX formats): weights transcoded to E4M3 with a per-row power of
@@ -26,7 +27,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...formats.spec import E4M3_MAX
 from ..quantize import _e4m3_bits
-from . import decode, wgmma
+from . import decode, wgmma, wgmma_ws
 from .layout import K_STEP, ROW_GROUP, padded_shape
 
 E4M3_LIMIT = tl.constexpr(E4M3_MAX)
@@ -206,6 +207,40 @@ def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cf
         m, n, k, kt, steps, split, x.stride(0), y.stride(0),
         FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, BM=cfg.block_m, DEPTH=cfg.depth,
         num_warps=cfg.num_warps,
+    )
+    return y
+
+
+@dataclass(frozen=True)
+class WgmmaWsConfig:
+    block_n: int = 128  # weight rows per program: 64 per MMA warpgroup
+    block_m: int = 128  # activation rows per program (the wgmma's N)
+    stages: int = 4  # shared-memory ring depth (activation + decoded weight tile per stage)
+    decoders: int = 4  # warps that decode the weights
+    depth: int = 2  # weight tiles the decoders load ahead (registers)
+    decoder_regs: int = 120  # registers per decoder thread (setmaxnreg)
+
+
+X_TILE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: WgmmaWsConfig = None,
+                  out=None):
+    """Large M, bf16 activations: the warp-specialized kernel (wgmma_ws.py). x comes by TMA, so its
+    rows must be 16-byte aligned (K a multiple of 8)."""
+    cfg = cfg or WgmmaWsConfig()
+    m = x.shape[0]
+    if x.dtype != torch.bfloat16 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16:
+        raise ValueError(f"wgmma_ws_gemm: x must be bf16 with 16-byte aligned rows (got {x.dtype}, K={k})")
+    np_, kp = padded_shape(n, k)
+    if np_ % cfg.block_n:
+        raise ValueError(f"wgmma_ws_gemm: block_n {cfg.block_n} does not divide the {np_} padded weight rows")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, K_STEP], X_TILE_LAYOUT)
+    wgmma_ws.wgmma_ws_gemm_kernel[(triton.cdiv(m, cfg.block_m), np_ // cfg.block_n)](
+        x_desc, data, scale, row_mult, bias if bias is not None else row_mult, y, m, n, kp // K_STEP, y.stride(0),
+        FMT=fmt_code, HAS_BIAS=bias is not None, BN=cfg.block_n, BM=cfg.block_m, STAGES=cfg.stages,
+        DECODERS=cfg.decoders, DEPTH=cfg.depth, DECODER_REGS=cfg.decoder_regs, num_warps=cfg.block_n // 16,
     )
     return y
 
