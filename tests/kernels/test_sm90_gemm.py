@@ -60,7 +60,9 @@ def test_decode_kernel(fmt, m, n, k, seed):
                paths.DecodeConfig(stages=4), paths.DecodeConfig(stages=2, unroll=1, depth=2, split=max(1, k // 256)),
                paths.DecodeConfig(stages=3, reps=2, block_m=16, depth=3, split=2),
                paths.DecodeConfig(stages=4, copy="cp.async"),
-               paths.DecodeConfig(stages=3, reps=2, block_m=16, depth=2, split=2, copy="cp.async")]
+               paths.DecodeConfig(stages=3, reps=2, block_m=16, depth=2, split=2, copy="cp.async"),
+               # up to DEPTH - 1 trips after the refills stop (1..5 tiles per split over the shapes)
+               paths.DecodeConfig(stages=3, unroll=1, depth=3, split=max(1, k // 256), copy="cp.async")]
     for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ws = torch.full((64 * m * n,), float("nan"), device="cuda")

@@ -301,12 +301,14 @@ def _ring_issue(W, w_off, w_smem, bars, j, row0, k_begin, n_iter, U: gl.constexp
 
 @gluon.jit
 def _ring_read(w_smem, bars, i, w_read: gl.constexpr, w_layout: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
-               STAGES: gl.constexpr, WORDS: gl.constexpr, TMA: gl.constexpr):
-    """Tile i from its stage, in the register layout of decode_gemm_kernel's loads."""
+               STAGES: gl.constexpr, WORDS: gl.constexpr, TMA: gl.constexpr, PENDING: gl.constexpr):
+    """Tile i from its stage, in the register layout of decode_gemm_kernel's loads. cp.async: tile i
+    is commit group i, and PENDING groups after it may still be in flight (STAGES - 1 while every
+    trip refills, 0 in the trips after the refills stop)."""
     if TMA:
         mbarrier.wait(bars.index(i % STAGES), (i // STAGES) & 1, deps=[w_smem])
     else:
-        async_copy.wait_group(STAGES - 1)  # tiles i+1 .. i+STAGES-1 may still be in flight
+        async_copy.wait_group(PENDING)
     w = w_smem.index(i % STAGES).load(w_read).reshape(RG, U, 32, WORDS)
     return gl.convert_layout(w, w_layout, assert_trivial=True)
 
@@ -379,7 +381,7 @@ def decode_ring_gemm_kernel(
         for j in gl.static_range(DEPTH):
             i = t * DEPTH + j
             kt = k_begin + i * U
-            w = _ring_read(w_smem, bars, i, w_read, w_layout, RG, U, STAGES, WORDS, TMA)
+            w = _ring_read(w_smem, bars, i, w_read, w_layout, RG, U, STAGES, WORDS, TMA, STAGES - 1)
             if TMA:
                 gl.thread_barrier()  # every warp has read the stage before the copy engine refills it
             _ring_issue(w_base, w_off, w_smem, bars, i + STAGES, row0, k_begin, n_iter, U, STAGES, WORDS, TMA)
@@ -389,7 +391,7 @@ def decode_ring_gemm_kernel(
     for j in gl.static_range(DEPTH - 1):
         if j < n_iter % DEPTH:
             i = (n_iter // DEPTH) * DEPTH + j
-            w = _ring_read(w_smem, bars, i, w_read, w_layout, RG, U, STAGES, WORDS, TMA)
+            w = _ring_read(w_smem, bars, i, w_read, w_layout, RG, U, STAGES, WORDS, TMA, 0)
             acc = _mma_step(acc, w, scales[j], x_ptr, x_row_ok, x_k, k_begin + i * U, K, FMT, RG, U,
                             a_layout, b_layout)
     if TMA:
