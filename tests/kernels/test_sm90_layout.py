@@ -229,6 +229,16 @@ def test_decode_tile_must_divide_the_padded_rows():
         launch.decode_gemm(x, None, None, None, None, 0, 100, 256, cfg)
 
 
+@pytest.mark.parametrize("unroll", [3, 8])
+def test_decode_unroll_must_divide_the_padded_k(unroll):
+    """An unroll that does not divide the K steps of layout.K_ALIGN would skip the last steps of K."""
+    from microscale.kernels.sm90 import launch
+
+    with pytest.raises(ValueError, match=f"unroll={unroll}: K steps per tile must divide 4"):
+        launch.decode_gemm(torch.zeros(1, 256, dtype=torch.bfloat16), None, None, None, None, 0, 100, 256,
+                           launch.DecodeConfig(unroll=unroll))
+
+
 def test_dequantize_tile_must_divide_the_weight():
     from microscale.kernels.sm90 import launch
 

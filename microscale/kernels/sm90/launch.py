@@ -25,7 +25,7 @@ import triton.language as tl
 from ...formats.spec import E4M3_MAX
 from ..quantize import _e4m3_bits
 from . import decode, wgmma
-from .layout import K_STEP, ROW_GROUP, padded_shape
+from .layout import K_ALIGN, K_STEP, ROW_GROUP, padded_shape
 
 E4M3_LIMIT = tl.constexpr(E4M3_MAX)
 
@@ -90,6 +90,8 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     if np_ % cfg.block_n:
         raise ValueError(f"decode tile of {cfg.block_n} rows does not divide the {np_} padded weight rows "
                          f"(16 x num_warps x reps must divide layout.ROW_ALIGN)")
+    if (K_ALIGN // K_STEP) % cfg.unroll:  # else the last steps of K would be skipped
+        raise ValueError(f"DecodeConfig.unroll={cfg.unroll}: K steps per tile must divide {K_ALIGN // K_STEP}")
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.block_m)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
