@@ -14,6 +14,20 @@ from safetensors.torch import save_file
 import spec_reference as ref
 
 
+def write_sharded(directory, shards: dict):
+    """A sharded safetensors checkpoint {file: {name: tensor}} with its index and a llama config.json."""
+    from microscale.formats.checkpoint import INDEX_NAME
+
+    directory.mkdir()
+    weight_map = {}
+    for fname, tensors in shards.items():
+        save_file(tensors, str(directory / fname))
+        weight_map.update({n: fname for n in tensors})
+    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return directory
+
+
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_helpers import tiny_llama
+from ckpt_helpers import tiny_llama, write_sharded
 from microscale.__main__ import main
 from microscale.formats.checkpoint import INDEX_NAME, CheckpointError, load_checkpoint
 from microscale.models.cli_quantize import quantize_checkpoint
@@ -135,8 +135,6 @@ print(json.dumps({"baseline_kib": baseline, "peak_kib": hwm_kib()}))
 def test_streaming_peak_memory_is_bounded_by_the_largest_tensor(tmp_path, seed):
     """Peak RSS (VmHWM) above the baseline stays under 3x the largest tensor, on a 3-shard checkpoint
     of 80 MiB whose largest tensor is 32 MiB (float32 4096 x 2048)."""
-    src = tmp_path / "src"
-    src.mkdir()
     shards = {
         "model-00001-of-00003.safetensors": {
             f"model.layers.0.self_attn.{p}.weight": torch.randn(1024, 2048) for p in ("q_proj", "k_proj", "v_proj")},
@@ -145,12 +143,7 @@ def test_streaming_peak_memory_is_bounded_by_the_largest_tensor(tmp_path, seed):
                                              "model.norm.weight": torch.ones(2048),
                                              "lm_head.weight": torch.randn(1024, 2048)},
     }
-    weight_map = {}
-    for fname, tensors in shards.items():
-        save_file(tensors, str(src / fname))
-        weight_map.update({n: fname for n in tensors})
-    (src / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    src = write_sharded(tmp_path / "src", shards)
     largest = 4096 * 2048 * 4
     expected_up = quantize(shards["model-00002-of-00003.safetensors"]["model.layers.0.mlp.up_proj.weight"], "nvfp4")
     del shards

@@ -1,28 +1,15 @@
 """`python -m microscale quantize` on CUDA (the default device when there is one) writes the CPU's bytes."""
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from ckpt_helpers import write_sharded
 from microscale.__main__ import main
 from microscale.formats.checkpoint import INDEX_NAME, CheckpointError
 from microscale.models import cli_quantize
 from microscale.models.cli_quantize import quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
-
-
-def write_sharded(directory, shards: dict):
-    directory.mkdir()
-    weight_map = {}
-    for fname, tensors in shards.items():
-        save_file(tensors, str(directory / fname))
-        weight_map.update({n: fname for n in tensors})
-    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    return directory
 
 
 @pytest.fixture
