@@ -333,6 +333,7 @@ def merge_results(old, new):
     """The results `old` with every GEMM record that `new` measured again (same format, M, N, K and
     backend) replaced by the new one; the other sections are the new run's where it has them."""
     new = dict(new)
+
     def key(r):
         return r["format"], r["M"], r["N"], r["K"], r["backend"]
     fresh = {key(r) for r in new["gemm"]}
@@ -404,10 +405,13 @@ def main():
         with open(args.out) as fh:
             merged_into = json.load(fh)
 
+    def current():
+        return merge_results(merged_into, results) if merged_into else results
+
     def save():
         if args.out:
             with open(args.out, "w") as fh:
-                json.dump(merge_results(merged_into, results) if merged_into else results, fh, indent=1)
+                json.dump(current(), fh, indent=1)
     print(json.dumps(results["env"]), flush=True)
     if args.large:
         for fmt in formats:
@@ -435,7 +439,7 @@ def main():
                 save()  # partial results survive a time limit
     save()
     if args.plot and results["gemm"]:
-        plot(merge_results(merged_into, results) if merged_into else results, args.plot)
+        plot(current(), args.plot)
 
 
 if __name__ == "__main__":

@@ -488,7 +488,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
         x, word, scale, g if g is not None else scale, table if table is not None else scale,
         m, k, n_cols, x.stride(0),
         FMT=fmt_code, MODE=_SCALE_MODE_CODE[ScaleMode(scale_mode)], SWIZZLED=scale_layout == "swizzled",
-        NATIVE=not _interpreted(), HW_E4M3=_hardware_e4m3(x.device),
+        NATIVE=not _interpreted(), HW_E4M3=fmt_code == 2 and _hardware_e4m3(x.device),
         BLOCK=spec.block, VEC=vec, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=rotation or 0,
         num_warps=warps,
     )
