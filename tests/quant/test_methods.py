@@ -62,4 +62,8 @@ def test_searched_qtensors_run_in_our_quantized_linear(fmt, seed):
     rotated = quantized_linear_class(spec).from_qtensor(qr)
     y = rotated(hadamard.rotate(x, spec.block))
     assert torch.allclose(y, x @ effective_weight(qr, spec.block).T, rtol=1e-5, atol=1e-4)
-    assert (y - x @ w.T).abs().max() < 0.25 * (x @ w.T).abs().max()
+    # The rotated weight still approximates W. Judged on the whole weight (relative Frobenius error):
+    # the max error of 5 output rows swings with x, and failed 1 seed in a few hundred at 0.25 for MXFP4.
+    # Over 300 seeds the error peaks at 0.082 (NVFP4), 0.122 (MXFP4), 0.030 (MXFP8).
+    bound = 0.05 if spec.elem_bits == 8 else 0.15
+    assert (effective_weight(qr, spec.block) - w).norm() < bound * w.norm()
