@@ -62,12 +62,35 @@ def test_decode_kernel(fmt, m, n, k, seed):
                paths.DecodeConfig(stages=4, copy="cp.async"),
                paths.DecodeConfig(stages=3, reps=2, block_m=16, depth=2, split=2, copy="cp.async"),
                # up to DEPTH - 1 trips after the refills stop (1..5 tiles per split over the shapes)
-               paths.DecodeConfig(stages=3, unroll=1, depth=3, split=max(1, k // 256), copy="cp.async")]
+               paths.DecodeConfig(stages=3, unroll=1, depth=3, split=max(1, k // 256), copy="cp.async"),
+               # the tiles decode_config picks, through the ring
+               paths.DecodeConfig(stages=3, reps=1, block_m=8), paths.DecodeConfig(stages=4, unroll=4, copy="cp.async"),
+               paths.DecodeConfig(stages=4, block_m=32, unroll=1, copy="cp.async"),
+               paths.DecodeConfig(stages=4, block_m=32, unroll=1)]
     for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ws = torch.full((64 * m * n,), float("nan"), device="cuda")
         paths.decode_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)
         _check(y, y64, mag, k, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("copy", ["tma", "cp.async"])
+def test_ring_kernel_equals_the_register_kernel_bit_for_bit(fmt, copy, seed):
+    """With the same tile, split and depth the ring kernel multiplies the same words in the same order as
+    decode_gemm_kernel: any difference is a copy or synchronization error, however small."""
+    from microscale.kernels.sm90 import launch as paths, prepare
+    from microscale.kernels.sm90.decode import FMT_CODE
+    m, n, k = 9, 1000, 4096 + 256
+    x, q, b, _, _ = _case(fmt, m, n, k, torch.bfloat16, seed)
+    prep = prepare(q)
+    for tile in (dict(reps=1, block_m=8, unroll=2, depth=2, split=3), dict(unroll=1, depth=3, split=2),
+                 dict(block_m=32, unroll=4, depth=2, split=1)):
+        want = paths.decode_gemm(x, *prep, b, FMT_CODE[fmt], n, k, paths.DecodeConfig(**tile))
+        for stages in (tile["depth"], tile["depth"] + 2):
+            got = paths.decode_gemm(x, *prep, b, FMT_CODE[fmt], n, k,
+                                    paths.DecodeConfig(**tile, stages=stages, copy=copy))
+            assert torch.equal(got, want), (tile, stages)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -229,6 +229,29 @@ def test_decode_tile_must_divide_the_padded_rows():
         launch.decode_gemm(x, None, None, None, None, 0, 100, 256, cfg)
 
 
+@pytest.mark.parametrize("cfg,message", [(dict(unroll=8), "unroll=8: K steps per tile must divide 4"),
+                                         (dict(unroll=3), "unroll=3: K steps per tile must divide 4"),
+                                         (dict(stages=2, depth=3), "stages=2 < depth=3")])
+def test_decode_config_refused_before_any_launch(cfg, message):
+    """An unroll that does not divide the padded K would skip its last steps; a ring shallower than the
+    tiles in flight would overwrite a stage still to be read."""
+    from microscale.kernels.sm90 import launch
+
+    with pytest.raises(ValueError, match=message):
+        launch.decode_gemm(torch.zeros(1, 256, dtype=torch.bfloat16), None, None, None, None, 0, 100, 256,
+                           launch.DecodeConfig(**cfg))
+
+
+def test_wgmma_ws_refuses_activations_tma_cannot_read():
+    from microscale.kernels.sm90 import launch
+
+    for x, why in ((torch.zeros(256, 64, dtype=torch.bfloat16).t(), r"strides \(1, 64\)"),
+                   (torch.zeros(64, 256, dtype=torch.float16), "torch.float16"),
+                   (torch.zeros(64, 260, dtype=torch.bfloat16)[:, :250], "K=250")):
+        with pytest.raises(ValueError, match=f"wgmma_ws_gemm: x must be bf16.*{why}"):
+            launch.wgmma_ws_gemm(x, None, None, None, None, 0, 128, x.shape[1])
+
+
 def test_dequantize_tile_must_divide_the_weight():
     from microscale.kernels.sm90 import launch
 

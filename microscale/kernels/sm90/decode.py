@@ -20,7 +20,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from . import layout as hopper_layout
 
@@ -357,6 +357,7 @@ def decode_ring_gemm_kernel(
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, RG, U, 32 * WORDS], W.layout)
         for j in gl.static_range(STAGES):
             mbarrier.init(bars.index(j), count=1)
+        fence_async_shared()  # the inits (generic proxy) before the TMA unit (async proxy) signals them
         w_base, w_off = W, 0
     else:
         plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])

@@ -28,7 +28,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...formats.spec import E4M3_MAX
 from ..quantize import _e4m3_bits
 from . import decode, wgmma, wgmma_ws
-from .layout import K_STEP, ROW_GROUP, padded_shape
+from .layout import K_ALIGN, K_STEP, ROW_GROUP, padded_shape
 
 E4M3_LIMIT = tl.constexpr(E4M3_MAX)
 
@@ -130,6 +130,10 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     if np_ % cfg.block_n:
         raise ValueError(f"decode tile of {cfg.block_n} rows does not divide the {np_} padded weight rows "
                          f"(16 x num_warps x reps must divide layout.ROW_ALIGN)")
+    if (K_ALIGN // K_STEP) % cfg.unroll:  # else the last steps of K would be skipped
+        raise ValueError(f"DecodeConfig.unroll={cfg.unroll}: K steps per tile must divide {K_ALIGN // K_STEP}")
+    if cfg.stages and cfg.stages < cfg.depth:
+        raise ValueError(f"DecodeConfig.stages={cfg.stages} < depth={cfg.depth}: the ring needs a stage per tile in flight")
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.block_m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
@@ -230,8 +234,9 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
     rows must be 16-byte aligned (K a multiple of 8)."""
     cfg = cfg or WgmmaWsConfig()
     m = x.shape[0]
-    if x.dtype != torch.bfloat16 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16:
-        raise ValueError(f"wgmma_ws_gemm: x must be bf16 with 16-byte aligned rows (got {x.dtype}, K={k})")
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16:
+        raise ValueError(f"wgmma_ws_gemm: x must be bf16, contiguous along K, with 16-byte aligned rows "
+                         f"(got {x.dtype}, K={k}, strides {tuple(x.stride())})")
     np_, kp = padded_shape(n, k)
     if np_ % cfg.block_n:
         raise ValueError(f"wgmma_ws_gemm: block_n {cfg.block_n} does not divide the {np_} padded weight rows")

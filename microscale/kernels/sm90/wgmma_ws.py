@@ -116,6 +116,7 @@ def wgmma_ws_gemm_kernel(
         mbarrier.init(x_empty.index(j), count=1)
         mbarrier.init(w_ready.index(j), count=1)
         mbarrier.init(w_empty.index(j), count=1)
+    fence_async_shared()  # the inits (generic proxy) before the TMA unit and the other partitions use them
     bars = (x_ready, x_empty, w_ready, w_empty)
 
     # (the worker arguments are written out at the call: a tuple kept in a variable would turn the
