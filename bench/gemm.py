@@ -128,29 +128,46 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
     return out
 
 
-def bench_quantize(m=8192, k=8192):
+def bench_quantize(m=8192, k=8192, formats=FORMATS, tiles=(None,)):
     """quantize_gpu on x [m, k] bf16, timed on CUDA-graph replays over copies of x larger than the L2
     (per call: the kernel launches back to back, no Python in between). TB/s counts the bytes
     actually moved: x read, codes and scales written, and for NVFP4 with a computed global scale x
     read a second time (the amax pass); tbps_one_pass counts x once (the issue #3 target applies
-    to the given-scale quantize)."""
+    to the given-scale quantize).
+
+    tiles: quantize_gpu configs (BLOCK_M, BLOCKS, num_warps, SPREAD) to time, None for the default
+    (kernels/quantize.py TILE). Every tile must give the default's bytes: one that does not is
+    reported with us = None, as is one that fails to compile."""
     from microscale.kernels.quantize import quantize_gpu
     recs = []
     xs = _copies(lambda: torch.randn(m, k, device="cuda", dtype=torch.bfloat16), m * k * 2)
-    for fmt in FORMATS:
+    x = xs[0]
+    for fmt in formats:
         for given in ([True, False] if fmt == "nvfp4" else [None]):
             g = torch.tensor(448 * 6 / 4.0, device="cuda") if given else None
-            us = _time_graph(lambda x: quantize_gpu(x, fmt, global_scale=g), xs)
-            x = xs[0]
-            q = quantize_gpu(x, fmt, global_scale=g)
-            one_pass = x.numel() * x.element_size() + q.data.numel() * q.data.element_size() + q.scale.numel()
+            want = quantize_gpu(x, fmt, global_scale=g)
+            one_pass = x.numel() * x.element_size() + want.data.numel() * want.data.element_size() + want.scale.numel()
             moved = one_pass + (x.numel() * x.element_size() if given is False else 0)
-            rec = {"op": "quantize", "format": fmt, "M": m, "K": k,
-                   "global_scale": {True: "given", False: "computed", None: "none"}[given], "us": us,
-                   "bytes": moved, "tbps": moved / us * 1e-6, "of_copy": moved / us * 1e-6 / COPY_TBPS,
-                   "tbps_one_pass": one_pass / us * 1e-6}
-            print(json.dumps(rec), flush=True)
-            recs.append(rec)
+            for tile in tiles:
+                rec = {"op": "quantize", "format": fmt, "M": m, "K": k,
+                       "global_scale": {True: "given", False: "computed", None: "none"}[given],
+                       **({} if tile is None else {"tile": list(tile)}), "us": None}
+                try:
+                    q = quantize_gpu(x, fmt, global_scale=g, config=tile)
+                    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                               for a, b in ((q.data, want.data), (q.scale, want.scale)))
+                    if same:
+                        rec["us"] = _time_graph(lambda x: quantize_gpu(x, fmt, global_scale=g, config=tile), xs)
+                    else:
+                        rec["error"] = "bytes differ from the default tile's"
+                except Exception as e:  # a tile that does not compile or fit
+                    rec["error"] = str(e).splitlines()[0][:200]
+                if rec["us"] is not None:
+                    us = rec["us"]
+                    rec.update(bytes=moved, tbps=moved / us * 1e-6, of_copy=moved / us * 1e-6 / COPY_TBPS,
+                               tbps_one_pass=one_pass / us * 1e-6)
+                print(json.dumps(rec), flush=True)
+                recs.append(rec)
     return recs
 
 
@@ -359,7 +376,8 @@ def main():
     p.add_argument("--shapes", default=";".join(f"{n},{k}" for n, k in SHAPES))
     p.add_argument("--fp8", action="store_true", help="also time the opt-in FP8 path for MX formats at M >= 512")
     p.add_argument("--kernel", help="time this sm90 kernel instead of the dispatch rule's choice")
-    p.add_argument("--sweep", action="store_true", help="tile sweep of the decode kernel (or --kernel wgmma|dequant) instead of the benchmark")
+    p.add_argument("--sweep", action="store_true", help="tile sweep of the decode kernel (or --kernel wgmma|dequant, "
+                   "or --kernel quantize with grid keys block_m, blocks, num_warps, spread) instead of the benchmark")
     p.add_argument("--sweep-grid", default='{"block_m": [8, 16], "reps": [1, 2], "unroll": [2, 4], '
                    '"depth": [1, 2, 3], "ctas_per_sm": [2, 4, 8]}',
                    help="JSON {DecodeConfig field: [values]}: the sweep times every combination")
@@ -378,7 +396,9 @@ def main():
                 print(" ".join(f"{a}={v:.3g}" if isinstance(v, float) else f"{a}={v}" for a, v in r.items()))
         best = {}
         for r in results.get("sweep", []):
-            if r["us"] is not None:
+            if r.get("op") == "quantize":
+                print("quantize", r["format"], r["global_scale"], r.get("tile", "default"), r["us"] and round(r["us"], 1))
+            elif r["us"] is not None:
                 key = (r["format"], r["M"], r["N"], r["K"])
                 best.setdefault(key, []).append(r)
         for key, rs in best.items():
@@ -417,6 +437,10 @@ def main():
         for fmt in formats:
             for n, k in shapes:
                 results["large"] += bench_large(fmt, n, k, ms)
+    elif args.sweep and args.kernel == "quantize":  # grid keys: block_m, blocks, num_warps, spread
+        grid = json.loads(args.sweep_grid)
+        tiles = [tuple(t) for t in itertools.product(*(grid[f] for f in ("block_m", "blocks", "num_warps", "spread")))]
+        results["sweep"] = bench_quantize(formats=formats, tiles=[None] + tiles)
     elif args.sweep:
         grid = json.loads(args.sweep_grid)
         configs = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
