@@ -87,8 +87,9 @@ def test_rotated_layer_multiplies_the_rotated_input(seed, fmt, block, activation
     if activations:
         # quantized from the layer's own float32 x R: a value one rounding away from the float64 one can
         # land on the other side of a code boundary (1 seed in 200 did)
-        assert torch.allclose(layer.rotate_input(x), x_rot, rtol=0, atol=1e-5)
-        x_rot = quantize_dequantize_activations(layer.rotate_input(x).reshape(-1, 96), activations).reshape(x.shape)
+        layer_rot = layer.rotate_input(x)
+        assert torch.allclose(layer_rot, x_rot, rtol=0, atol=1e-5)
+        x_rot = quantize_dequantize_activations(layer_rot.reshape(-1, 96), activations).reshape(x.shape)
     want = x_rot.double() @ q.dequantize().double().T + bias.double()
     assert torch.allclose(layer(x).double(), want, rtol=1e-5, atol=1e-4)
     # and it approximates the unrotated float layer (to the format's error, not garbage)
