@@ -154,9 +154,7 @@ def bench_quantize(m=8192, k=8192, formats=FORMATS, tiles=(None,)):
                        **({} if tile is None else {"tile": list(tile)}), "us": None}
                 try:
                     q = quantize_gpu(x, fmt, global_scale=g, config=tile)
-                    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                               for a, b in ((q.data, want.data), (q.scale, want.scale)))
-                    if same:
+                    if q.same_codes_and_scales(want):
                         rec["us"] = _time_graph(lambda x: quantize_gpu(x, fmt, global_scale=g, config=tile), xs)
                     else:
                         rec["error"] = "bytes differ from the default tile's"

@@ -104,6 +104,12 @@ class QTensor:
         scale = self.linear_scale() if layout == "linear" else swizzle_scales_128x4(self.scale)
         return self.replace(scale=scale, scale_layout=layout)
 
+    def same_codes_and_scales(self, other: "QTensor") -> bool:
+        """Whether the element codes and the block scales (as stored) are the same bits as other's;
+        the global scale is not compared."""
+        return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in ((self.data, other.data), (self.scale, other.scale)))
+
     @property
     def nbytes(self) -> int:
         """Bytes of data plus block scales as stored (swizzle padding included)."""

@@ -52,10 +52,6 @@ def _reprepare_after_load(module, incompatible_keys):
     module.prepare()
 
 
-def _same_bits(a: QTensor, b: QTensor) -> bool:
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in ((a.data, b.data), (a.scale, b.scale)))
-
-
 class QuantizedLinear(nn.Module):
     """y = x @ dequant(W).T + bias with W [out_features, in_features] in a block-scaled format.
 
@@ -203,8 +199,8 @@ class QuantizedLinear(nn.Module):
         self.backend = b.name
         # checked on every weight: what the backend's layout does not keep (layout docstrings)
         # is rare in checkpoints, and such a layer simply keeps both copies
-        rebuildable = b.unprepare is not None and _same_bits(b.unprepare(prepared, self.fmt, w.shape,
-                                                                          w.global_scale), w)
+        rebuildable = b.unprepare is not None and b.unprepare(prepared, self.fmt, w.shape,
+                                                              w.global_scale).same_codes_and_scales(w)
         self.weight_data, self.weight_scale = (None, None) if rebuildable else (w.data, w.scale)
 
     def _restore_canonical(self) -> None:

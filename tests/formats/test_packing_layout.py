@@ -85,3 +85,17 @@ def test_unswizzle_inverts_swizzle(rows, cols, seed):
     g = torch.Generator().manual_seed(seed)
     s = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
     assert torch.equal(unswizzle_scales_128x4(swizzle_scales_128x4(s), rows, cols), s)
+
+
+def test_same_codes_and_scales_compares_every_byte(seed):
+    import microscale as ms
+
+    for fmt in ("nvfp4", "mxfp4", "mxfp8"):
+        q = ms.quantize(torch.randn(8, 64), fmt)
+        assert q.same_codes_and_scales(q.replace(data=q.data.clone(), scale=q.scale.clone()))
+        for field in ("data", "scale"):
+            flipped = getattr(q, field).clone()
+            raw = flipped.view(torch.uint8).view(-1)
+            i = int(torch.randint(raw.numel(), ()))
+            raw[i] ^= 0x01  # one bit of one byte
+            assert not q.same_codes_and_scales(q.replace(**{field: flipped})), (fmt, field, i)
