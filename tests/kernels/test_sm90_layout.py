@@ -247,3 +247,32 @@ def test_dequantize_tile_must_divide_the_weight():
         launch.dequantize_rows(None, None, None, 0, 0, 128, 256, out, launch.DequantConfig(reps=4))
     with pytest.raises(ValueError, match="a 64 x 256 tile does not divide the 128 x 192 weight"):
         launch.dequantize_rows(None, None, None, 0, 0, 128, 192, out, launch.DequantConfig(unroll=4))
+
+
+def test_resident_programs_per_sm_by_hand():
+    """CUDA occupancy rules (sm_90: 64K registers, 2048 threads, 228 KB shared memory per SM), worked by hand."""
+    from types import SimpleNamespace
+
+    from microscale.kernels.sm90.launch import resident_per_sm
+
+    h100 = SimpleNamespace(max_threads_per_multi_processor=2048, shared_memory_per_multiprocessor=228 * 1024)
+    assert resident_per_sm(96, 1024, 4, h100) == 5  # 96*32 = 3072 regs per warp, 65536 // 12288
+    assert resident_per_sm(142, 1024, 4, h100) == 3  # 4544 -> 4608 per warp (units of 256), // 18432
+    assert resident_per_sm(72, 1024, 2, h100) == 14  # 2304 per warp, 65536 // 4608
+    assert resident_per_sm(16, 0, 4, h100) == 16  # thread limit: 2048 // 128
+    assert resident_per_sm(16, 100 * 1024, 4, h100) == 2  # shared memory: 233472 // (102400 + 1024)
+    assert resident_per_sm(16, 0, 1, h100) == 32  # block limit
+
+
+def test_split_stops_at_one_full_wave():
+    from microscale.kernels.sm90.launch import DecodeConfig, _split_for
+
+    cfg = DecodeConfig(ctas_per_sm=4)
+    # 224 row tiles on 132 SMs: 4 per SM asks for ceil(528 / 224) = 3 splits = 672 programs; with 5
+    # resident per SM one wave is 660, so 3 would leave 12 programs for a second wave: 2 splits
+    assert _split_for(cfg, 224, 16, 132) == 3
+    assert _split_for(cfg, 224, 16, 132, resident_per_sm=6) == 3  # 672 <= 792: one wave
+    assert _split_for(cfg, 224, 16, 132, resident_per_sm=5) == 2
+    assert _split_for(cfg, 64, 16, 132, resident_per_sm=5) == 9  # 576 <= 660
+    assert _split_for(cfg, 900, 16, 132, resident_per_sm=1) == 1  # never below one split
+    assert _split_for(DecodeConfig(split=7), 224, 16, 132, resident_per_sm=5) == 7  # a fixed split is kept

@@ -56,11 +56,46 @@ def decode_config(m: int, fmt_code: int) -> DecodeConfig:
     return DecodeConfig(block_m=32, reps=2, unroll=1, ctas_per_sm=4)
 
 
-def _split_for(cfg, tiles: int, max_split: int, sms: int) -> int:
-    """K splits for about cfg.ctas_per_sm programs per SM (at most max_split), unless cfg.split fixes it."""
+def _split_for(cfg, tiles: int, max_split: int, sms: int, resident_per_sm: int = 0) -> int:
+    """K splits for about cfg.ctas_per_sm programs per SM (at most max_split), unless cfg.split fixes it.
+
+    resident_per_sm: how many programs of the kernel fit on an SM at once. When the split would
+    launch more than one full wave of them, it is cut to one wave: the few programs of a second,
+    partial wave run alone at the end (the M = 16 sweep on the H200 measured 15-25% slower at
+    1.02-1.09 waves than at 0.7-0.97, bench/results/sweep_h200.json run 4)."""
     if cfg.split:
         return cfg.split
-    return max(1, min(max_split, math.ceil(cfg.ctas_per_sm * sms / tiles)))
+    split = max(1, min(max_split, math.ceil(cfg.ctas_per_sm * sms / tiles)))
+    wave = resident_per_sm * sms
+    if resident_per_sm and split > 1 and tiles * split > wave:
+        split = max(1, wave // tiles)
+    return split
+
+
+def resident_per_sm(n_regs: int, shared_bytes: int, num_warps: int, props) -> int:
+    """Programs of a kernel one SM holds at once, from its registers per thread and shared memory:
+    64K registers per SM allocated per warp in units of 256, and 1 KB of shared memory reserved per
+    block (CUDA occupancy rules of sm_80 to sm_90)."""
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = 65536 // (regs_per_warp * num_warps)
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    by_smem = props.shared_memory_per_multiprocessor // (shared_bytes + 1024)
+    return max(1, min(by_regs, by_threads, by_smem, 32))
+
+
+_RESIDENT: dict = {}
+
+
+def _resident_programs(kernel, args, constexprs: dict, num_warps: int, device) -> int:
+    """resident_per_sm of `kernel` compiled for these arguments (compiled once, cached; the
+    split-dependent integer arguments may specialize the launched variant a little differently)."""
+    key = (kernel.__name__, tuple(sorted(constexprs.items())), args[0].dtype, args[5].dtype, device)
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), **constexprs, num_warps=num_warps)
+        compiled._init_handles()  # loads the binary: n_regs is known from here on
+        _RESIDENT[key] = resident_per_sm(compiled.n_regs, compiled.metadata.shared, num_warps,
+                                         torch.cuda.get_device_properties(device))
+    return _RESIDENT[key]
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,20 +129,23 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
         raise ValueError(f"DecodeConfig.unroll={cfg.unroll}: K steps per tile must divide {K_ALIGN // K_STEP}")
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.block_m)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    tickets = _tickets(x.device, tiles_n * tiles_m)
+    constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
+                      U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth)
+    # workspace (fp32), steps and split are placeholders until the split is known
+    args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
+            m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
+    kernel = decode.decode_gemm_kernel
+    resident = 0 if cfg.split else _resident_programs(kernel, args, constexprs, cfg.num_warps, x.device)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    split = _split_for(cfg, tiles_n * tiles_m, kt // cfg.unroll // 4, sms)  # >= 4 loop trips per program
+    split = _split_for(cfg, tiles_n * tiles_m, kt // cfg.unroll // 4, sms, resident)  # >= 4 loop trips per program
     steps = triton.cdiv(triton.cdiv(kt, split), cfg.unroll) * cfg.unroll
     split = triton.cdiv(kt, steps)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     ws = workspace if workspace is not None else torch.empty(split * m * n if split > 1 else 1,
                                                              dtype=torch.float32, device=x.device)
-    tickets = _tickets(x.device, tiles_n * tiles_m)
-    decode.decode_gemm_kernel[(tiles_n, split, tiles_m)](
-        x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, tickets,
-        m, n, k, kt, steps, split, x.stride(0), y.stride(0),
-        FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, R=cfg.reps, U=cfg.unroll,
-        BMX=cfg.block_m, DEPTH=cfg.depth, num_warps=cfg.num_warps,
-    )
+    args[6], args[12], args[13] = ws, steps, split
+    kernel[(tiles_n, split, tiles_m)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps)
     return y
 
 
