@@ -48,12 +48,14 @@ class DecodeConfig:
 def decode_config(m: int, fmt_code: int) -> DecodeConfig:
     """Tile choice for the decode kernel, from the sweeps on the H200 (bench/gemm.py --sweep,
     bench/results/sweep_h200.json): up to 8 rows one 16-row group per warp, 2 K steps per tile, 2
-    tiles in flight; up to 16 two row groups per warp; above, 32 activation rows per program."""
+    tiles in flight; up to 16 two row groups per warp; above, 32 activation rows per program (M = 17
+    and 32 sweep, session 5: 2 K steps per tile, 2 in flight, beat 1 per tile on 23 of 24 format x
+    shape x M cases, by up to 45%; bench/results/sweep_h200.json)."""
     if m <= 8:
         return DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=2, ctas_per_sm=4)
     if m <= 16:
         return DecodeConfig(num_warps=4, block_m=16, reps=2, unroll=2, depth=1, ctas_per_sm=4)
-    return DecodeConfig(block_m=32, reps=2, unroll=1, ctas_per_sm=4)
+    return DecodeConfig(block_m=32, reps=2, unroll=2, depth=2, ctas_per_sm=2)
 
 
 def _split_for(cfg, tiles: int, max_split: int, sms: int, resident_per_sm: int = 0) -> int:
