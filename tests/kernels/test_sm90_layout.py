@@ -229,13 +229,17 @@ def test_decode_tile_must_divide_the_padded_rows():
         launch.decode_gemm(x, None, None, None, None, 0, 100, 256, cfg)
 
 
-@pytest.mark.parametrize("unroll", [3, 8])
-def test_decode_unroll_must_divide_the_padded_k(unroll):
-    """An unroll that does not divide the K steps of layout.K_ALIGN would skip the last steps of K."""
+@pytest.mark.parametrize("unroll,k", [(3, 256), (8, 256), (4, 576)])
+def test_decode_unroll_must_divide_the_padded_k(unroll, k):
+    """An unroll that does not divide the K steps of the padded K would skip the last steps of K
+    (K = 576 pads to 640: 10 steps of 64)."""
     from microscale.kernels.sm90 import launch
+    from microscale.kernels.sm90.layout import padded_shape
 
-    with pytest.raises(ValueError, match=f"unroll={unroll}: K steps per tile must divide 4"):
-        launch.decode_gemm(torch.zeros(1, 256, dtype=torch.bfloat16), None, None, None, None, 0, 100, 256,
+    kp = padded_shape(100, k)[1]
+    with pytest.raises(ValueError, match=f"unroll={unroll}: K steps per tile must divide the {kp // 64} steps of 64 "
+                                         f"of the padded K={kp}"):
+        launch.decode_gemm(torch.zeros(1, k, dtype=torch.bfloat16), None, None, None, None, 0, 100, k,
                            launch.DecodeConfig(unroll=unroll))
 
 

@@ -25,7 +25,7 @@ import triton.language as tl
 from ...formats.spec import E4M3_MAX
 from ..quantize import _e4m3_bits
 from . import decode, wgmma
-from .layout import K_ALIGN, K_STEP, ROW_GROUP, padded_shape
+from .layout import K_STEP, ROW_GROUP, padded_shape
 
 E4M3_LIMIT = tl.constexpr(E4M3_MAX)
 
@@ -127,8 +127,9 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     if np_ % cfg.block_n:
         raise ValueError(f"decode tile of {cfg.block_n} rows does not divide the {np_} padded weight rows "
                          f"(16 x num_warps x reps must divide layout.ROW_ALIGN)")
-    if (K_ALIGN // K_STEP) % cfg.unroll:  # else the last steps of K would be skipped
-        raise ValueError(f"DecodeConfig.unroll={cfg.unroll}: K steps per tile must divide {K_ALIGN // K_STEP}")
+    if kt % cfg.unroll:  # else the last steps of K would be skipped
+        raise ValueError(f"DecodeConfig.unroll={cfg.unroll}: K steps per tile must divide the {kt} steps of "
+                         f"{K_STEP} of the padded K={kp}")
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.block_m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
