@@ -185,16 +185,25 @@ def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
     recs = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        # every tile must give the default tile's output (up to fp32 summation order): a fast wrong tile
+        # is caught here, not after it became the default
+        expected = run(x, *prep, None, FMT_CODE[fmt], n, k, config_class()).float()
         for c in configs:
             cfg = config_class(**c)
             if kernel == "decode" and (cfg.block_m < min(m, 32) or cfg.block_m > max(8, 2 * m)):
                 continue
+            rel_diff = None
             try:
+                got = run(x, *prep, None, FMT_CODE[fmt], n, k, cfg).float()
+                rel_diff = ((got - expected).norm() / expected.norm()).item()
                 us = _time_graph(lambda p: run(x, *p, None, FMT_CODE[fmt], n, k, cfg), preps)
             except Exception as e:  # a configuration that does not compile or fit
                 us = None
                 print("config failed", c, str(e).splitlines()[0][:200], flush=True)
-            rec = {"op": "sweep", "kernel": kernel, "format": fmt, "M": m, "N": n, "K": k, **c, "us": us}
+            rec = {"op": "sweep", "kernel": kernel, "format": fmt, "M": m, "N": n, "K": k, **c, "us": us,
+                   "rel_diff_vs_default": rel_diff}
+            if rel_diff is not None and not rel_diff < 1e-3:
+                rec["error"] = "output differs from the default tile's"
             print(json.dumps(rec), flush=True)
             recs.append(rec)
     return recs
