@@ -59,8 +59,8 @@ from ...formats.tensor import QTensor, padded_k
 ROW_GROUP = 16  # rows of one warp's mma tile
 K_STEP = 64  # K per 16-byte load step of a thread
 ROW_ALIGN = 128  # N padding: every decode tile (16 x warps x reps) divides it
-K_ALIGN = 128  # K padding: 2 K steps, what the default decode tiles take per trip (unroll 4 needs K
-# steps in multiples of 4, checked per shape; 256 cost SmolLM2's K = 576 a third more weight bytes)
+K_ALIGN = 128  # K padding: 2 K steps, the default decode tiles' trip (unroll 4 is checked per shape);
+# 256 padded SmolLM2's K = 576 to 768 instead of 640
 
 # bf16x2 register j (j = 0..3) of an FP4 word takes element 2j in its low half and 2j+1 in its
 # high half. FP4_BITS[i] = word bit positions of (mantissa, exponent lsb, exponent msb, sign) of
