@@ -21,6 +21,10 @@ stay bf16, its default). Per format and batch size, in one process:
     the 4.2 ms of GEMMs in the profile of (a)), which pulls every format's speed-up toward 1.
 (c) compiled-graph: (b) with the step torch.compile'd (fullgraph) before the capture, so the work
     between the GEMMs becomes a few fused kernels.
+(d) fused: (c) with q/k/v and gate/up each one GEMM (weights concatenated along N: fuse_linears for
+    quantized layers, which quantize_model gives one NVFP4 global scale per group; one nn.Linear for
+    bf16), as inference engines run them: 4 GEMMs per layer instead of 7. The separate modules are
+    removed (the weights are not held twice), so this way runs after the others of its format.
 
 Memory: weight bytes = parameters + buffers of the model (storages counted once; whatever is
 resident counts: on sm90 only the prepared layout, unless a layer keeps its canonical copy), and
@@ -42,7 +46,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from microscale import quantize_model
+from microscale import fuse_linears, quantize_model
 from microscale.models.linear import QuantizedLinear
 from microscale.models.quantize_model import model_bytes
 
@@ -52,7 +56,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 FORMATS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
-WAYS = ("graph", "compiled-graph", "generate")
+WAYS = ("graph", "compiled-graph", "generate", "fused")
 LINEAR_KERNEL_MARKS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul", "dequant", "_mm_")
 ATTENTION_KERNEL_MARKS = ("flash", "fmha", "attention", "sdpa", "attn")
 MARKERS = ("<!-- e2e:begin (bench/e2e.py writes this section) -->", "<!-- e2e:end -->")
@@ -85,12 +89,14 @@ class StaticDecoder:
     step can be captured once and replayed.
     """
 
-    def __init__(self, model, batch: int, cache_len: int):
+    def __init__(self, model, batch: int, cache_len: int, fused=None):
         cfg = model.config
         self.model = model
+        self.fused = fused  # per layer (qkv, gate_up) from fuse_projections, or None: the model's own modules
         device = model.model.embed_tokens.weight.device
         dtype = model.model.embed_tokens.weight.dtype
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.q_size, self.kv_size = cfg.num_attention_heads * self.head_dim, cfg.num_key_value_heads * self.head_dim
         shape = (batch, cfg.num_key_value_heads, cache_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
@@ -117,18 +123,26 @@ class StaticDecoder:
         cos, sin = self.cos.index_select(1, p), self.sin.index_select(1, p)
         mask = (self.slots <= self.pos).view(1, 1, 1, -1)
         h = m.embed_tokens(self.tokens)
-        for layer, k_cache, v_cache in zip(m.layers, self.k, self.v):
+        for i, (layer, k_cache, v_cache) in enumerate(zip(m.layers, self.k, self.v)):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
-            k = a.k_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
-            v = a.v_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+            if self.fused:
+                qkv, gate_up = self.fused[i]
+                q, k, v = qkv(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+            else:
+                q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+            q, k, v = (t.view(batch, 1, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             k_cache.index_copy_(2, p, k)
             v_cache.index_copy_(2, p, v)
             o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
             h = h + a.o_proj(o.transpose(1, 2).reshape(batch, 1, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            if self.fused:
+                gate, up = gate_up(x).chunk(2, -1)
+                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                h = h + layer.mlp(x)
         logits = self.model.lm_head(m.norm(h))[:, -1]
         if advance:
             self.tokens.copy_(logits.argmax(-1, keepdim=True))
@@ -136,15 +150,36 @@ class StaticDecoder:
         return logits
 
 
+def fuse_projections(model) -> list:
+    """Per decoder layer, (qkv, gate_up): q/k/v and gate/up each as one module over the concatenated
+    weights (fuse_linears for quantized layers, one nn.Linear for bf16 ones). The separate modules are
+    deleted from the layers, so the weights are held once; the model's own forward no longer runs."""
+    def fuse(parent, names):
+        parts = [getattr(parent, n) for n in names]
+        if isinstance(parts[0], QuantizedLinear):
+            fused = fuse_linears(parts)
+        elif any(m.bias is not None for m in parts):
+            raise ValueError(f"fuse_projections: {names} have a bias (not in Llama; not handled here)")
+        else:
+            w = torch.cat([m.weight.detach() for m in parts])
+            fused = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            fused.weight = torch.nn.Parameter(w, requires_grad=False)
+        for n in names:
+            delattr(parent, n)
+        return fused
+    return [(fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")), fuse(layer.mlp, ("gate_proj", "up_proj")))
+            for layer in model.model.layers]
+
+
 def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_tokens: int = 8,
-                         compile_step: bool = False) -> dict:
+                         compile_step: bool = False, fused=None) -> dict:
     """Step time of StaticDecoder replayed as one CUDA graph per step; tokens checked against eager.
 
     compile_step: the step goes through torch.compile(fullgraph=True) first, so the norms, rotary
     embedding and elementwise work between the GEMMs become a few fused kernels (the eager step
     launches some 30 small kernels per layer); the tokens are then checked against the compiled
     step run without the graph."""
-    dec = StaticDecoder(model, batch, prompt_len + steps + check_tokens + 8)
+    dec = StaticDecoder(model, batch, prompt_len + steps + check_tokens + 8, fused)
     first = torch.randint(0, model.config.vocab_size, (batch, 1), device=dec.tokens.device)
     step = torch.compile(dec.step, fullgraph=True, dynamic=False) if compile_step else dec.step
 
@@ -285,23 +320,29 @@ def run_format(config, fmt, device, batches, args) -> list:
     model, report = build_model(config, fmt, device)
     backends = sorted({m.backend for m in model.modules() if isinstance(m, QuantizedLinear)}) or ["torch (cuBLAS)"]
     weight_gib = model_bytes(model) / 2**30
-    rows = []
-    for batch in batches:
-        row = {"format": fmt, "batch": batch, "backend": ",".join(backends), "weight_gib": weight_gib,
-               "quantized_linear_gib": report.bytes_after / 2**30 if report else None}
+    rows = [{"format": fmt, "batch": batch, "backend": ",".join(backends), "weight_gib": weight_gib,
+             "quantized_linear_gib": report.bytes_after / 2**30 if report else None} for batch in batches]
+    for row in rows:
         if "graph" in args.ways:
-            row["graph"] = measure_graph_decode(model, batch, args.prompt, args.steps)
+            row["graph"] = measure_graph_decode(model, row["batch"], args.prompt, args.steps)
         if "compiled-graph" in args.ways:
-            row["compiled-graph"] = measure_graph_decode(model, batch, args.prompt, args.steps, compile_step=True)
+            row["compiled-graph"] = measure_graph_decode(model, row["batch"], args.prompt, args.steps,
+                                                         compile_step=True)
         if "generate" in args.ways:
-            row["generate"] = measure_generate(model, batch, args.prompt, args.new_tokens,
+            row["generate"] = measure_generate(model, row["batch"], args.prompt, args.new_tokens,
                                                compile_decode=torch.device(device).type == "cuda")
+    if "fused" in args.ways:  # last: it takes the separate projections out of the model
+        fused = fuse_projections(model)
+        for row in rows:
+            row["fused"] = measure_graph_decode(model, row["batch"], args.prompt, args.steps, compile_step=True,
+                                                fused=fused)
+        del fused
+    for row in rows:
         for how in args.ways:
-            row[how]["tokens_per_s"] = batch * 1e3 / row[how]["ms_per_step"]
-        rows.append(row)
-        print(f"{fmt:6s} batch {batch:3d}: " + ", ".join(f"{how} {row[how]['ms_per_step']:.3f} ms/step"
-                                                          for how in args.ways) + f", weights {weight_gib:.2f} GiB",
-              flush=True)
+            row[how]["tokens_per_s"] = row["batch"] * 1e3 / row[how]["ms_per_step"]
+        print(f"{fmt:6s} batch {row['batch']:3d}: " + ", ".join(f"{how} {row[how]['ms_per_step']:.3f} ms/step"
+                                                                  for how in args.ways)
+              + f", weights {weight_gib:.2f} GiB", flush=True)
     del model
     # Compiled code and CUDA-graph pools of this format's generate outlive the model; drop them so
     # the next format's memory figures are its own.
@@ -347,24 +388,26 @@ def markdown(results: dict) -> str:
         f"{c['prompt']}-token prompt: step time from token arrival times; GPU time from a profile of the same call "
         f"(kernel time / new tokens), host = step - GPU. (b) the whole decode step in one CUDA graph "
         f"(`StaticDecoder`), {c['steps']} replays; (c) the same with the step torch.compile'd before the capture; "
-        f"weights: parameters + buffers resident; peak: allocated during (b)/(c); '-': not measured.",
+        f"(d) (c) with q/k/v and gate/up each one GEMM over concatenated weights (`fuse_linears`; bf16 too); "
+        f"weights: parameters + buffers resident; peak: allocated during (b)/(c)/(d); '-': not measured.",
         "",
         "| format | batch | backend | weights GiB (Linears in format) | (b) graph ms/step | (b) x bf16 "
-        "| (c) compiled graph ms/step | (c) tok/s | (c) x bf16 | (a) generate ms/step | (a) tok/s | (a) x bf16 "
-        "| (a) GPU ms: linear / attn / other | (a) host ms | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| (c) compiled graph ms/step | (c) tok/s | (c) x bf16 | (d) fused ms/step | (d) tok/s | (d) x bf16 "
+        "| (a) generate ms/step | (a) tok/s | (a) x bf16 | (a) GPU ms: linear / attn / other | (a) host ms | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
-        g, c, a = r.get("graph", {}), r.get("compiled-graph", {}), r.get("generate", {})
+        g, c, d, a = r.get("graph", {}), r.get("compiled-graph", {}), r.get("fused", {}), r.get("generate", {})
         gpu = " / ".join(f(a.get(f"{k}_ms_per_step")) for k in ("linear", "attention", "other"))
-        peak = max((w.get("peak_gib") or 0 for w in (g, c)), default=0) or None
+        peak = max((w.get("peak_gib") or 0 for w in (g, c, d)), default=0) or None
         lines.append(f"| {r['format']} | {r['batch']} | {r['backend']} | {f(r['weight_gib'])} "
                      f"({f(r['quantized_linear_gib'])}) "
                      f"| {f(g.get('ms_per_step'), 3)} | {f(g.get('speedup_vs_bf16'))} "
                      f"| {f(c.get('ms_per_step'), 3)} | {f(c.get('tokens_per_s'), 0)} | {f(c.get('speedup_vs_bf16'))} "
+                     f"| {f(d.get('ms_per_step'), 3)} | {f(d.get('tokens_per_s'), 0)} | {f(d.get('speedup_vs_bf16'))} "
                      f"| {f(a.get('ms_per_step'), 3)} | {f(a.get('tokens_per_s'), 0)} | {f(a.get('speedup_vs_bf16'))} "
                      f"| {gpu} | {f(a.get('host_ms_per_step'))} | {f(peak)} |")
-    mismatched = [f"{r['format']} b{r['batch']} {how}" for r in results["rows"] for how in ("graph", "compiled-graph")
+    mismatched = [f"{r['format']} b{r['batch']} {how}" for r in results["rows"] for how in ("graph", "compiled-graph", "fused")
                   if r.get(how, {}).get("tokens_equal_eager") is False]
     if mismatched:
         lines += ["", f"Graph replay tokens differ from eager for: {', '.join(mismatched)}."]
@@ -391,7 +434,8 @@ def main(argv=None):
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS,
-                   help="(b) graph (eager step), (c) compiled-graph (torch.compile'd step), (a) generate")
+                   help="(b) graph (eager step), (c) compiled-graph (torch.compile'd step), (a) generate, "
+                        "(d) fused (c with q/k/v and gate/up fused; runs last)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens (a) / start position (b)")
     p.add_argument("--new-tokens", type=int, default=64, help="(a): tokens generated per timed call")

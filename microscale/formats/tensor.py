@@ -110,6 +110,34 @@ class QTensor:
         return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in ((self.data, other.data), (self.scale, other.scale)))
 
+    @staticmethod
+    def concat_rows(tensors) -> "QTensor":
+        """One QTensor whose rows are those of `tensors` in order (linear scale layout): the same codes and
+        block scales, so it dequantizes to the concatenated weights bit for bit. They must share the
+        format, the number of columns and (NVFP4) the global scale, the one scale every element is
+        divided by."""
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("QTensor.concat_rows: no tensors")
+        first = tensors[0]
+        for i, t in enumerate(tensors[1:], 1):
+            if t.fmt != first.fmt or t.shape[1] != first.shape[1]:
+                raise ValueError(f"QTensor.concat_rows: tensor {i} is {t.fmt.name} {list(t.shape)}, tensor 0 is "
+                                 f"{first.fmt.name} {list(first.shape)}: the format and columns must match")
+            if t.data.device != first.data.device:
+                raise ValueError(f"QTensor.concat_rows: tensor {i} is on {t.data.device}, tensor 0 on {first.data.device}")
+            if first.global_scale is not None and not torch.equal(t.global_scale, first.global_scale):
+                raise ValueError(f"QTensor.concat_rows: tensor {i} has NVFP4 global scale {t.global_scale.item()!r}, "
+                                 f"tensor 0 {first.global_scale.item()!r}: rows under different global scales "
+                                 f"cannot share one (quantize them with a shared one, as quantize_model does "
+                                 f"for fused projections)")
+
+        def cat(parts):  # through bytes: float8 tensors concatenate as their bits
+            return torch.cat([p.view(torch.uint8) for p in parts]).view(parts[0].dtype)
+        return QTensor(data=cat([t.data for t in tensors]), scale=cat([t.linear_scale() for t in tensors]),
+                       fmt=first.fmt, shape=(sum(t.shape[0] for t in tensors), first.shape[1]),
+                       global_scale=first.global_scale, orig_dtype=first.orig_dtype)
+
     @property
     def nbytes(self) -> int:
         """Bytes of data plus block scales as stored (swizzle padding included)."""

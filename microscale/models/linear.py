@@ -291,3 +291,36 @@ def quantized_linear_class(fmt) -> type:
     """FP4Linear or FP8Linear, by the format's element width."""
     spec = get_format(fmt)
     return next(c for c in (FP4Linear, FP8Linear) if c.elem_bits == spec.elem_bits)
+
+
+def fuse_linears(layers) -> QuantizedLinear:
+    """One quantized layer for several that read the same input, as inference engines run q/k/v and
+    gate/up: fused(x) = cat([layer(x) for layer in layers], -1), one GEMM instead of len(layers).
+
+    The weights are concatenated along out_features (QTensor.concat_rows: the same codes and scales),
+    a missing bias becomes zeros. The layers must share their class, format, in_features,
+    activations, rotation, NVFP4 global scale (quantize_model gives fused projections one) and
+    static input scale. Outputs equal the separate layers' up to the order of float summation."""
+    layers = list(layers)
+    if not layers or not all(isinstance(m, QuantizedLinear) for m in layers):
+        raise TypeError(f"fuse_linears: expected quantized layers, got {[type(m).__name__ for m in layers]}")
+    first = layers[0]
+    for i, m in enumerate(layers[1:], 1):
+        for what in ("activations", "rotation", "backend_override"):
+            if getattr(m, what) != getattr(first, what):
+                raise ValueError(f"fuse_linears: layer {i} has {what}={getattr(m, what)!r}, layer 0 "
+                                 f"{getattr(first, what)!r}")
+        if type(m) is not type(first) or m.in_features != first.in_features:
+            raise ValueError(f"fuse_linears: layer {i} is a {type(m).__name__} with in_features={m.in_features}, "
+                             f"layer 0 a {type(first).__name__} with {first.in_features}")
+        a, b = m.input_global_scale, first.input_global_scale
+        if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+            raise ValueError(f"fuse_linears: layer {i} has input_global_scale {a}, layer 0 {b}")
+    weight = QTensor.concat_rows(m.qweight for m in layers)
+    bias = None
+    if any(m.bias is not None for m in layers):
+        dtype = next(m.bias.dtype for m in layers if m.bias is not None)
+        bias = torch.cat([m.bias.to(dtype) if m.bias is not None else
+                          torch.zeros(m.out_features, dtype=dtype, device=weight.data.device) for m in layers])
+    return type(first).from_qtensor(weight, bias, activations=first.activations, backend=first.backend_override,
+                                    input_global_scale=first.input_global_scale, rotation=first.rotation)

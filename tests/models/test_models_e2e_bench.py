@@ -107,3 +107,36 @@ def test_compiled_step_matches_eager_on_cpu(seed, e2e):
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     timing = e2e.measure_graph_decode(model, batch=2, prompt_len=3, steps=3, compile_step=True)
     assert timing["compiled_step"] and timing["ms_per_step"] > 0
+
+
+@pytest.mark.parametrize("fmt", [None, "nvfp4"])
+def test_fused_projections_compute_what_the_separate_ones_do(seed, e2e, fmt):
+    """(d) fused: q/k/v and gate/up as one GEMM each give the unfused step's logits (up to summation
+    order), and the separate modules are gone from the model afterwards (the weights are held once)."""
+    model = tiny_float32(e2e, fmt)
+    ids = torch.randint(0, e2e.TINY["vocab_size"], (2, 6))
+
+    def teacher_forced(dec):
+        dec.reset(ids[:, :1])
+        logits = []
+        for t in range(6):
+            dec.tokens.copy_(ids[:, t:t + 1])
+            dec.pos.fill_(t)
+            logits.append(dec.step(advance=False))
+        return torch.stack(logits)
+
+    want = teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8))
+    fused = e2e.fuse_projections(model)
+    assert not hasattr(model.model.layers[0].self_attn, "q_proj") and not hasattr(model.model.layers[1].mlp, "up_proj")
+    qkv, gate_up = fused[0]
+    assert (qkv.out_features, gate_up.out_features) == (2 * e2e.TINY["hidden_size"], 2 * e2e.TINY["intermediate_size"])
+    got = teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8, fused=fused))
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_driver_runs_the_fused_way_last(e2e, tmp_path):
+    out = tmp_path / "e2e.json"
+    e2e.main(["--tiny", "--device", "cpu", "--steps", "2", "--new-tokens", "2", "--out", str(out), "--formats",
+              "nvfp4", "--batches", "1", "--ways", "fused", "graph"])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["graph"]["ms_per_step"] > 0 and row["fused"]["ms_per_step"] > 0 and row["fused"]["compiled_step"]

@@ -196,3 +196,41 @@ def test_errors():
     bad["weight_data"] = bad["weight_data"][:, :8]
     with pytest.raises(RuntimeError, match="weight_data"):
         FP4Linear(32, 8).load_state_dict(bad)
+
+
+def test_fused_layer_is_the_separate_layers_side_by_side(seed, fmt):
+    """q/k/v-like layers quantized with one NVFP4 global scale fuse into one layer: its weight dequantizes
+    to the concatenated weights bit for bit, and its output is theirs side by side (the same float64
+    bound; the sums may run in another order)."""
+    from microscale import fuse_linears
+    from microscale.quant.reference import nvfp4_global_scale
+
+    linears = [nn.Linear(72, n, bias=b) for n, b in ((40, True), (24, False), (8, True))]
+    shared = nvfp4_global_scale(torch.cat([m.weight for m in linears]).detach()) if fmt == "nvfp4" else None
+    layers = [quantized_linear_class(fmt).from_linear(m, fmt, global_scale=shared) for m in linears]
+    fused = fuse_linears(layers)
+    assert (fused.in_features, fused.out_features, type(fused)) == (72, 72, type(layers[0]))
+    assert torch.equal(fused.qweight.dequantize(), torch.cat([m.qweight.dequantize() for m in layers]))
+    assert torch.equal(fused.bias, torch.cat([layers[0].bias, torch.zeros(24), layers[2].bias]))
+    x = torch.randn(3, 5, 72)
+    y = fused(x)
+    assert_within_bound(y.reshape(-1, 72), x.reshape(-1, 72), fused)
+    separate = torch.cat([m(x) for m in layers], -1)
+    assert torch.allclose(y, separate, rtol=1e-5, atol=1e-5 * separate.abs().max().item())
+
+
+def test_fuse_errors():
+    from microscale import fuse_linears
+
+    a, b = FP4Linear.from_linear(nn.Linear(32, 8)), FP4Linear.from_linear(nn.Linear(32, 8))  # own global scales
+    with pytest.raises(ValueError, match="tensor 1 has NVFP4 global scale .* rows under different global scales"):
+        fuse_linears([a, b])
+    with pytest.raises(ValueError, match="layer 1 is a FP4Linear with in_features=64, layer 0 a FP4Linear with 32"):
+        fuse_linears([a, FP4Linear.from_linear(nn.Linear(64, 8))])
+    with pytest.raises(ValueError, match="layer 1 is a FP8Linear"):
+        fuse_linears([FP4Linear.from_linear(nn.Linear(32, 8), "mxfp4"), FP8Linear.from_linear(nn.Linear(32, 8))])
+    with pytest.raises(ValueError, match="layer 1 has activations='mxfp4', layer 0 None"):
+        fuse_linears([FP4Linear.from_linear(nn.Linear(32, 8), "mxfp4"),
+                      FP4Linear.from_linear(nn.Linear(32, 8), "mxfp4", activations="mxfp4")])
+    with pytest.raises(TypeError, match=r"expected quantized layers, got \['FP4Linear', 'Linear'\]"):
+        fuse_linears([a, nn.Linear(32, 8)])

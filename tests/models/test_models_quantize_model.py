@@ -7,7 +7,7 @@ import torch
 from conftest import dequantized_reference, sqnr_db, tiny_bert, tiny_llama
 from torch import nn
 
-from microscale import FP4Linear, FP8Linear, quantize_model
+from microscale import FP4Linear, FP8Linear, fuse_linears, quantize_model
 from microscale.formats.spec import E2M1_MAX, E4M3_MAX
 from microscale.quant import quantize
 
@@ -96,6 +96,11 @@ def test_fused_projections_share_nvfp4_global_scale(seed):
                 q = quantize(original.get_submodule(n).weight, "nvfp4", global_scale=want)
                 assert torch.equal(layer.weight_data, q.data)
                 assert torch.equal(layer.weight_scale.view(torch.uint8), q.scale.view(torch.uint8))
+            layers = [model.get_submodule(n) for n in names]
+            fused = fuse_linears(layers)  # one global scale: the group fuses into one GEMM
+            x = torch.randn(3, 64)
+            separate = torch.cat([m(x) for m in layers], -1)
+            assert torch.allclose(fused(x), separate, rtol=1e-5, atol=1e-5 * separate.abs().max().item())
         o_proj = model.get_submodule(f"model.layers.{i}.self_attn.o_proj")
         alone = encode_global_scale(original.get_submodule(f"model.layers.{i}.self_attn.o_proj").weight.abs().max())
         assert o_proj.weight_global_scale.item() == alone.item()
