@@ -126,3 +126,28 @@ def test_compile_fullgraph(smollm2_float, fmt, activations):
     cos = torch.nn.functional.cosine_similarity(got.float(), eager.float(), dim=-1).min().item()
     print(f"inductor vs eager: max rel diff {rel:.4f}, min cosine {cos:.5f}")
     assert rel <= INDUCTOR_REL_TOL and cos >= INDUCTOR_MIN_COSINE
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+@torch.no_grad()
+def test_fused_projections_on_the_gpu(fmt):
+    """fuse_linears on layers the sm90 backend holds only in its prepared layout (the canonical weight is
+    rebuilt from it): the fused layer's output is the separate layers' side by side, at decode and
+    prefill sizes (another N, so another split-K and summation order: bf16 rounding apart)."""
+    from torch import nn
+
+    from microscale import fuse_linears
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({n: nn.Linear(576, out, bias=False) for n, out in (("q_proj", 576), ("k_proj", 192),
+                                                                               ("v_proj", 192))})
+    model = model.cuda().to(torch.bfloat16)
+    quantize_model(model, fmt, include=["*_proj"], progress=False)
+    layers = [model[n] for n in ("q_proj", "k_proj", "v_proj")]
+    fused = fuse_linears(layers)
+    assert fused.backend == layers[0].backend
+    for m in (1, 16, 300):
+        x = torch.randn(m, 576, device="cuda", dtype=torch.bfloat16)
+        separate = torch.cat([layer(x) for layer in layers], -1).float()
+        got = fused(x).float()
+        assert (got - separate).abs().max() <= 2**-7 * separate.abs().max(), m
