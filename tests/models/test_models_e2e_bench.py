@@ -33,6 +33,18 @@ def tiny_float32(e2e, fmt):
     return model
 
 
+def teacher_forced(dec, ids, step=None):
+    """Logits [T, B, V] of feeding ids [B, T] one token at a time through dec's KV cache, with dec.step
+    or `step` (a compiled one)."""
+    dec.reset(ids[:, :1])
+    logits = []
+    for t in range(ids.shape[1]):
+        dec.tokens.copy_(ids[:, t:t + 1])
+        dec.pos.fill_(t)
+        logits.append((step or dec.step)(advance=False))
+    return torch.stack(logits)
+
+
 @pytest.mark.parametrize("fmt", [None, "nvfp4"])
 def test_static_decoder_matches_transformers_forward(seed, e2e, fmt):
     model = tiny_float32(e2e, fmt)
@@ -40,12 +52,9 @@ def test_static_decoder_matches_transformers_forward(seed, e2e, fmt):
     with torch.no_grad():
         want = model(ids, use_cache=False).logits
     dec = e2e.StaticDecoder(model, batch=3, cache_len=16)
-    dec.reset(ids[:, :1])
-    for t in range(10):  # teacher-forced: feed the sequence one token at a time through the KV cache
-        dec.tokens.copy_(ids[:, t:t + 1])
-        dec.pos.fill_(t)
-        got = dec.step(advance=False)
-        assert (got - want[:, t]).abs().max() <= 1e-5 * want[:, t].abs().max(), t
+    got = teacher_forced(dec, ids)
+    for t in range(10):
+        assert (got[t] - want[:, t]).abs().max() <= 1e-5 * want[:, t].abs().max(), t
     # greedy advance: the next token is the argmax and the position moves on
     dec.reset(ids[:, :1], pos=4)
     logits = dec.step()
@@ -92,18 +101,8 @@ def test_compiled_step_matches_eager_on_cpu(seed, e2e):
     model = tiny_float32(e2e, "nvfp4")
     ids = torch.randint(0, e2e.TINY["vocab_size"], (2, 6))
     dec = e2e.StaticDecoder(model, batch=2, cache_len=8)
-
-    def teacher_forced(step):
-        dec.reset(ids[:, :1])
-        logits = []
-        for t in range(6):
-            dec.tokens.copy_(ids[:, t:t + 1])
-            dec.pos.fill_(t)
-            logits.append(step(advance=False))
-        return torch.stack(logits)
-
-    want = teacher_forced(dec.step)
-    got = teacher_forced(torch.compile(dec.step, fullgraph=True, dynamic=False))
+    want = teacher_forced(dec, ids)
+    got = teacher_forced(dec, ids, torch.compile(dec.step, fullgraph=True, dynamic=False))
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     timing = e2e.measure_graph_decode(model, batch=2, prompt_len=3, steps=3, compile_step=True)
     assert timing["compiled_step"] and timing["ms_per_step"] > 0
@@ -115,22 +114,12 @@ def test_fused_projections_compute_what_the_separate_ones_do(seed, e2e, fmt):
     order), and the separate modules are gone from the model afterwards (the weights are held once)."""
     model = tiny_float32(e2e, fmt)
     ids = torch.randint(0, e2e.TINY["vocab_size"], (2, 6))
-
-    def teacher_forced(dec):
-        dec.reset(ids[:, :1])
-        logits = []
-        for t in range(6):
-            dec.tokens.copy_(ids[:, t:t + 1])
-            dec.pos.fill_(t)
-            logits.append(dec.step(advance=False))
-        return torch.stack(logits)
-
-    want = teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8))
+    want = teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8), ids)
     fused = e2e.fuse_projections(model)
     assert not hasattr(model.model.layers[0].self_attn, "q_proj") and not hasattr(model.model.layers[1].mlp, "up_proj")
     qkv, gate_up = fused[0]
     assert (qkv.out_features, gate_up.out_features) == (2 * e2e.TINY["hidden_size"], 2 * e2e.TINY["intermediate_size"])
-    got = teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8, fused=fused))
+    got = teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8, fused=fused), ids)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
