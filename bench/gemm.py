@@ -199,18 +199,17 @@ def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
             cfg = config_class(**c)
             if kernel == "decode" and (cfg.block_m < min(m, 32) or cfg.block_m > max(8, 2 * m)):
                 continue
-            rel_diff = None
+            rec = {"op": "sweep", "kernel": kernel, "format": fmt, "M": m, "N": n, "K": k, **c, "us": None,
+                   "rel_diff_vs_default": None}
             try:
                 got = run(x, *prep, None, FMT_CODE[fmt], n, k, cfg).float()
-                rel_diff = ((got - expected).norm() / expected.norm()).item()
-                us = _time_graph(lambda p: run(x, *p, None, FMT_CODE[fmt], n, k, cfg), preps)
+                rec["rel_diff_vs_default"] = ((got - expected).norm() / expected.norm()).item()
+                if rec["rel_diff_vs_default"] < 1e-3:  # as bench_quantize: a wrong tile is reported, not timed
+                    rec["us"] = _time_graph(lambda p: run(x, *p, None, FMT_CODE[fmt], n, k, cfg), preps)
+                else:
+                    rec["error"] = "output differs from the default tile's"
             except Exception as e:  # a configuration that does not compile or fit
-                us = None
                 print("config failed", c, str(e).splitlines()[0][:200], flush=True)
-            rec = {"op": "sweep", "kernel": kernel, "format": fmt, "M": m, "N": n, "K": k, **c, "us": us,
-                   "rel_diff_vs_default": rel_diff}
-            if rel_diff is not None and not rel_diff < 1e-3:
-                rec["error"] = "output differs from the default tile's"
             print(json.dumps(rec), flush=True)
             recs.append(rec)
     return recs
