@@ -52,21 +52,6 @@ def test_decode_kernel_sass(fmt, tmp_path):
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
 
 
-def test_decode_kernel_with_pdl_reads_nothing_before_the_wait(tmp_path):
-    """PDL: let the next kernel launch, prefetch the first weight tiles to L2, wait for the kernel before,
-    and only then load (a load before the wait could see what that kernel has not finished writing)."""
-    signature = {"X": "*bf16", "W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
-                 "WS": "*fp32", "TICKETS": "*i32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32",
-                 "steps_per_split": "i32", "n_split": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-    constexprs = dict(FMT=0, HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2, PDL=True)
-    ops = _ops(_sass(decode.decode_gemm_kernel, signature, constexprs, (0, 1, 2, 3, 4, 5, 6, 7, 10, 14, 15),
-                     tmp_path))
-    memory = [o for o in ops if o.startswith(("LDG", "STG", "ATOM", "RED", "CCTL", "ACQBULK", "PREEXIT"))]
-    wait = memory.index("ACQBULK")  # griddepcontrol.wait
-    assert memory[0] == "PREEXIT" and memory[1:wait] == ["CCTL.E.PF2"] * 4, memory[:wait + 1]  # R x U x DEPTH
-    assert memory.count("ACQBULK") == 1 and "CCTL.E.PF2" not in memory[wait:]
-
-
 @pytest.mark.parametrize("cc", [80, 120])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_decode_and_dequant_kernels_build_for_sm80_and_sm120(fmt, cc):

@@ -55,45 +55,12 @@ def test_decode_kernel(fmt, m, n, k, seed):
     configs = [None, paths.DecodeConfig(reps=1, unroll=1, block_m=16, split=3), paths.DecodeConfig(split=1),
                # 3 tiles in flight with 1..5 tiles per split: the remainder steps after the rotation
                paths.DecodeConfig(unroll=1, depth=3, split=max(1, k // 256)), paths.DecodeConfig(depth=3, split=2),
-               paths.DecodeConfig(num_warps=2, reps=4, block_m=16, depth=2),
-               # programmatic dependent launch: prefetch, wait, then the same kernel
-               paths.DecodeConfig(pdl=True), paths.DecodeConfig(reps=1, block_m=8, depth=3, split=2, pdl=True)]
+               paths.DecodeConfig(num_warps=2, reps=4, block_m=16, depth=2)]
     for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ws = torch.full((64 * m * n,), float("nan"), device="cuda")
         paths.decode_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)
         _check(y, y64, mag, k, torch.bfloat16)
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_pdl_decode_sees_weights_written_by_the_kernel_just_before(fmt, seed):
-    """With PDL the decode kernel starts before the kernel ahead of it in the stream has finished; here
-    that kernel writes the very weights the GEMM reads. The result must be that of the new weights,
-    in eager launches and in a captured graph."""
-    from microscale.kernels.sm90 import launch as paths, prepare
-    from microscale.kernels.sm90.decode import FMT_CODE
-    m, n, k = 4, 4096, 4096
-    q_old = _case(fmt, m, n, k, torch.bfloat16, seed)[1]
-    x, q_new, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed + 1)
-    data, scale, _ = prepare(q_old)
-    new_data, new_scale, row_mult = prepare(q_new)
-    cfg = paths.DecodeConfig(pdl=True, reps=1, block_m=8)
-
-    def overwrite_then_multiply():
-        # kernels, not copies: PDL relaxes the order to the kernel just before, which writes the data
-        torch.bitwise_or(new_scale.view(torch.uint8), 0, out=scale.view(torch.uint8))
-        torch.bitwise_or(new_data.view(torch.uint8), 0, out=data.view(torch.uint8))
-        return paths.decode_gemm(x, data, scale, row_mult, b, FMT_CODE[fmt], n, k, cfg)
-
-    _check(overwrite_then_multiply(), y64, mag, k, torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = overwrite_then_multiply()
-    data.zero_()
-    scale.zero_()
-    y.fill_(float("nan"))
-    graph.replay()
-    _check(y, y64, mag, k, torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -13,12 +13,6 @@ the 8/16-wide side), so M = 1 costs as little tensor-core work as M = 8.
 The grid is (N tiles, K splits, M tiles). With K split in SPLIT parts, each program writes its fp32
 partial tile to a workspace and takes a ticket; the last program of a tile sums the partials in
 split order (deterministic), applies the per-row factor and bias, writes y, and resets the ticket.
-
-PDL (sm_90, programmatic dependent launch): the kernel may start while the kernel before it in the
-stream is still finishing. It lets the next kernel start at once (griddepcontrol.launch_dependents),
-asks L2 for its first weight tiles, and only then waits for the kernel before it (griddepcontrol.wait)
-before it reads anything: a prefetch is safe even of weights that kernel is still writing, as L2 is
-where their writes land, so no read of this kernel can see stale data.
 """
 
 import torch
@@ -187,29 +181,6 @@ def _load_w(W_base, w_off, S_base, s_off, kt, FMT: gl.constexpr):
             gl.load(S_base + s_off + kt * SCALE_BYTES, eviction_policy="evict_first"))
 
 
-_LAUNCH_DEPENDENTS = gl.constexpr("griddepcontrol.launch_dependents; mov.u32 $0, 0;")
-_WAIT_FOR_PRIOR_GRID = gl.constexpr("griddepcontrol.wait; mov.u32 $0, 0;")
-
-
-@gluon.jit
-def _grid_dependency(asm: gl.constexpr):
-    """One griddepcontrol instruction (a no-op without a programmatic dependent launch)."""
-    gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_w(W_base, KT, kt, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
-    """Ask L2 for the word tile of K steps kt .. kt+U-1: one prefetch per lane, row group and K step
-    (a warp's 32 cover the step's 512 contiguous bytes). No register is loaded: the weights may still
-    change until griddepcontrol.wait, and the loads after it read what L2 holds then."""
-    WORDS: gl.constexpr = 8 if FMT == 2 else 4
-    layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-    rg, u, lane, _ = _tile_index(layout, RG, U, 1)
-    ptrs = W_base + (rg * KT + u + kt) * (32 * WORDS) + lane * WORDS
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
 @gluon.jit
 def _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt, K, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
               a_layout: gl.constexpr, b_layout: gl.constexpr):
@@ -236,7 +207,6 @@ def decode_gemm_kernel(
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
-    PDL: gl.constexpr = False,
 ):
     RG: gl.constexpr = NW * R  # 16-row groups per program
     BN: gl.constexpr = RG * ROW_GROUP
@@ -266,11 +236,6 @@ def decode_gemm_kernel(
     # the oldest. The trip is unrolled DEPTH times so the tiles rotate through fixed register sets (a
     # loop-carried rotation would copy whole tiles every trip). Loads past the split end re-read its
     # last tile (clamped) and are never used.
-    if PDL:  # module docstring: nothing is read before the wait
-        _grid_dependency(_LAUNCH_DEPENDENTS)
-        for j in gl.static_range(DEPTH):
-            _prefetch_w(W_base, KT, gl.minimum(k_begin + j * U, k_last), FMT, NW, RG, U)
-        _grid_dependency(_WAIT_FOR_PRIOR_GRID)
     tiles = ()
     for j in gl.static_range(DEPTH):
         tiles = tiles + (_load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from ...formats.spec import E4M3_MAX
-from ..dispatch import compute_capability
 from ..quantize import _e4m3_bits
 from . import decode, wgmma
 from .layout import K_STEP, ROW_GROUP, padded_shape
@@ -40,7 +39,6 @@ class DecodeConfig:
     block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
     split: int = 0  # K splits; 0 = chosen from the grid size
     ctas_per_sm: int = 4  # target programs per SM when the split is chosen
-    pdl: bool = False  # programmatic dependent launch on sm_90+ (decode.py docstring)
 
     @property
     def block_n(self) -> int:
@@ -136,9 +134,8 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     tiles_m = triton.cdiv(m, cfg.block_m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     tickets = _tickets(x.device, tiles_n * tiles_m)
-    pdl = cfg.pdl and (compute_capability(x.device) or (0, 0)) >= (9, 0)  # griddepcontrol is sm_90+
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
-                      U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth, PDL=pdl)
+                      U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth)
     # workspace (fp32), steps and split are placeholders until the split is known
     args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
@@ -151,8 +148,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     ws = workspace if workspace is not None else torch.empty(split * m * n if split > 1 else 1,
                                                              dtype=torch.float32, device=x.device)
     args[6], args[12], args[13] = ws, steps, split
-    kernel[(tiles_n, split, tiles_m)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps,
-                                      launch_pdl=pdl)
+    kernel[(tiles_n, split, tiles_m)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps)
     return y
 
 
