@@ -47,12 +47,14 @@ class DecodeConfig:
 
 def decode_config(m: int, fmt_code: int) -> DecodeConfig:
     """Tile choice for the decode kernel, from the sweeps on the H200 (bench/gemm.py --sweep,
-    bench/results/sweep_h200.json): up to 8 rows one 16-row group per warp, 2 K steps per tile, 2
-    tiles in flight; up to 16 two row groups per warp; above, 32 activation rows per program (M = 17
-    and 32 sweep, session 5: 2 K steps per tile, 2 in flight, beat 1 per tile on 23 of 24 format x
-    shape x M cases, by up to 45%; bench/results/sweep_h200.json)."""
+    bench/results/sweep_h200.json): up to 8 rows, 8 activation rows per program, 2 K steps per tile,
+    2 tiles in flight, one 16-row group per warp for M = 1 and two above (each warp loads the whole
+    activation tile, so with real rows more weight rows per warp pay for it: M = 8, session 6, 3-19%
+    faster on the three large shapes); up to 16 two row groups per warp; above, 32 activation rows
+    per program (M = 17 and 32 sweep, session 5: 2 K steps per tile, 2 in flight, beat 1 per tile on
+    23 of 24 format x shape x M cases, by up to 45%)."""
     if m <= 8:
-        return DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=2, ctas_per_sm=4)
+        return DecodeConfig(num_warps=4, block_m=8, reps=1 if m == 1 else 2, unroll=2, depth=2, ctas_per_sm=4)
     if m <= 16:
         return DecodeConfig(num_warps=4, block_m=16, reps=2, unroll=2, depth=1, ctas_per_sm=4)
     return DecodeConfig(block_m=32, reps=2, unroll=2, depth=2, ctas_per_sm=2)
