@@ -280,3 +280,20 @@ def test_split_stops_at_one_full_wave():
     assert _split_for(cfg, 64, 16, 132, resident_per_sm=5) == 9  # 576 <= 660
     assert _split_for(cfg, 900, 16, 132, resident_per_sm=1) == 1  # never below one split
     assert _split_for(DecodeConfig(split=7), 224, 16, 132, resident_per_sm=5) == 7  # a fixed split is kept
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_decode_config_tiles_fit_the_padded_rows(fmt):
+    """Every tile decode_config picks divides the row padding (else decode_gemm refuses the weight),
+    and the two-row-group tile for M = 2-8 goes only where the session-6 sweep measured it faster:
+    FP4 weights, N >= 8192 (docstring)."""
+    from microscale.kernels.sm90.decode import FMT_CODE
+    from microscale.kernels.sm90.launch import decode_config
+    from microscale.kernels.sm90.layout import ROW_ALIGN
+
+    for m in range(1, 65):
+        for n in (128, 4096, 8192, 28672):
+            cfg = decode_config(m, n, FMT_CODE[fmt])
+            assert ROW_ALIGN % cfg.block_n == 0 and cfg.block_m >= min(m, 32), (m, n, cfg)
+            if m <= 8:
+                assert cfg.reps == (2 if 1 < m and n >= 8192 and fmt != "mxfp8" else 1), (m, n, cfg)

@@ -45,16 +45,20 @@ class DecodeConfig:
         return ROW_GROUP * self.num_warps * self.reps
 
 
-def decode_config(m: int, fmt_code: int) -> DecodeConfig:
+def decode_config(m: int, n: int, fmt_code: int) -> DecodeConfig:
     """Tile choice for the decode kernel, from the sweeps on the H200 (bench/gemm.py --sweep,
     bench/results/sweep_h200.json): up to 8 rows, 8 activation rows per program, 2 K steps per tile,
-    2 tiles in flight, one 16-row group per warp for M = 1 and two above (each warp loads the whole
-    activation tile, so with real rows more weight rows per warp pay for it: M = 8, session 6, 3-19%
-    faster on the three large shapes); up to 16 two row groups per warp; above, 32 activation rows
-    per program (M = 17 and 32 sweep, session 5: 2 K steps per tile, 2 in flight, beat 1 per tile on
-    23 of 24 format x shape x M cases, by up to 45%)."""
+    2 tiles in flight, one 16-row group per warp, or two for FP4 weights at M = 2-8 and N >= 8192:
+    each warp loads the whole activation tile, and with real rows in it more weight rows per warp pay
+    for that (session 6, NVFP4 and MXFP4, M = 2-8: 3-9% faster at 8192x8192, 5-23% on the two
+    larger shapes, 11% slower at 4096x4096, where half as many row tiles leave each split program
+    one K trip; MXFP8, whose weight tiles take twice the registers, gained on one shape and lost
+    1-7% on two). Up to 16, two row groups per warp; above, 32 activation rows per program (M = 17
+    and 32 sweep, session 5: 2 K steps per tile, 2 in flight, beat 1 per tile on 23 of 24 format x
+    shape x M cases, by up to 45%)."""
     if m <= 8:
-        return DecodeConfig(num_warps=4, block_m=8, reps=1 if m == 1 else 2, unroll=2, depth=2, ctas_per_sm=4)
+        reps = 2 if 1 < m and n >= 8192 and fmt_code != decode.FMT_CODE["mxfp8"] else 1
+        return DecodeConfig(num_warps=4, block_m=8, reps=reps, unroll=2, depth=2, ctas_per_sm=4)
     if m <= 16:
         return DecodeConfig(num_warps=4, block_m=16, reps=2, unroll=2, depth=1, ctas_per_sm=4)
     return DecodeConfig(block_m=32, reps=2, unroll=2, depth=2, ctas_per_sm=2)
@@ -125,7 +129,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
-    cfg = cfg or decode_config(m, fmt_code)
+    cfg = cfg or decode_config(m, n, fmt_code)
     if np_ % cfg.block_n:
         raise ValueError(f"decode tile of {cfg.block_n} rows does not divide the {np_} padded weight rows "
                          f"(16 x num_warps x reps must divide layout.ROW_ALIGN)")
