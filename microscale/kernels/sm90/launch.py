@@ -50,8 +50,8 @@ def decode_config(m: int, n: int, fmt_code: int) -> DecodeConfig:
     bench/results/sweep_h200.json): up to 8 rows, 8 activation rows per program, 2 K steps per tile,
     2 tiles in flight, one 16-row group per warp, or two for FP4 weights at M = 2-8 and N >= 8192:
     each warp loads the whole activation tile, and with real rows in it more weight rows per warp pay
-    for that (session 6, NVFP4 and MXFP4, M = 2-8: 3-9% faster at 8192x8192, 5-23% on the two
-    larger shapes, 11% slower at 4096x4096, where half as many row tiles leave each split program
+    for that (session 6, NVFP4 and MXFP4, M = 2-8: 5-9% faster at 8192x8192, 5-23% on the two
+    larger shapes, 11-13% slower at 4096x4096, where half as many row tiles leave each split program
     one K trip; MXFP8, whose weight tiles take twice the registers, gained on one shape and lost
     1-7% on two). Up to 16, two row groups per warp; above, 32 activation rows per program (M = 17
     and 32 sweep, session 5: 2 K steps per tile, 2 in flight, beat 1 per tile on 23 of 24 format x
