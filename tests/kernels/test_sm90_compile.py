@@ -24,6 +24,12 @@ from microscale.kernels.sm90 import decode  # noqa: E402
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
+DECODE_SIGNATURE = {"X": "*bf16", "W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
+                    "WS": "*fp32", "TICKETS": "*i32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32",
+                    "steps_per_split": "i32", "n_split": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+DECODE_ALIGNED = (0, 1, 2, 3, 4, 5, 6, 7, 10, 14, 15)  # pointers and K, strides: multiples of 16 as launched
+
+
 def _sass(kernel, signature, constexprs, aligned, tmp_path, num_warps=4):
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = GluonASTSource(kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
@@ -40,11 +46,8 @@ def _ops(sass):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_decode_kernel_sass(fmt, tmp_path):
-    signature = {"X": "*bf16", "W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
-                 "WS": "*fp32", "TICKETS": "*i32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32",
-                 "steps_per_split": "i32", "n_split": "i32", "stride_xm": "i32", "stride_ym": "i32"}
     constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2)
-    ops = _ops(_sass(decode.decode_gemm_kernel, signature, constexprs, (0, 1, 2, 3, 4, 5, 6, 7, 10, 14, 15),
+    ops = _ops(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED,
                      tmp_path))
     assert "LDG.E.EF.128" in ops and "LDG.E.128" in ops  # 16-byte loads: weights (evict-first) and activations
     assert any(o.startswith("HMMA.16816.F32.BF16") for o in ops)
@@ -57,12 +60,9 @@ def test_decode_kernel_sass(fmt, tmp_path):
 def test_decode_and_dequant_kernels_build_for_sm80_and_sm120(fmt, cc):
     """The backend also serves sm_80-sm_89 and sm_120 (behind the first-use self-test): the decode
     and dequantize kernels must build there (mma.sync and the bf16x2 decode exist on both)."""
-    signature = {"X": "*bf16", "W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
-                 "WS": "*fp32", "TICKETS": "*i32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32",
-                 "steps_per_split": "i32", "n_split": "i32", "stride_xm": "i32", "stride_ym": "i32"}
     constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2)
-    src = GluonASTSource(decode.decode_gemm_kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                         constexprs=constexprs)
+    signature = {**DECODE_SIGNATURE, **{k: "constexpr" for k in constexprs}}
+    src = GluonASTSource(decode.decode_gemm_kernel, signature=signature, constexprs=constexprs)
     assert "mma.sync" in triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4}).asm["ptx"]
     signature = {"W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "OUT": "*bf16", "INEXACT": "*i32", "KT": "i32",
                  "ld_out": "i32", "factor": "fp32"}
@@ -85,11 +85,8 @@ def test_dequant_kernel_sass(to_fp8, tmp_path):
 @pytest.mark.parametrize("fmt,nw,bm", [("nvfp4", 4, 64), ("mxfp4", 8, 128), ("mxfp8", 8, 128)])
 def test_wgmma_kernel_sass(fmt, nw, bm, tmp_path):
     from microscale.kernels.sm90 import wgmma
-    signature = {"X": "*bf16", "W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
-                 "WS": "*fp32", "TICKETS": "*i32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32",
-                 "steps_per_split": "i32", "n_split": "i32", "stride_xm": "i32", "stride_ym": "i32"}
     constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=nw, BM=bm, DEPTH=3)
-    ops = _ops(_sass(wgmma.wgmma_gemm_kernel, signature, constexprs, (0, 1, 2, 3, 4, 5, 6, 7, 10, 14, 15), tmp_path,
+    ops = _ops(_sass(wgmma.wgmma_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED, tmp_path,
                      num_warps=nw))
     assert any(o.startswith("HGMMA.64") for o in ops)  # wgmma, both operands in shared memory
     assert any(o.startswith("LDGSTS") for o in ops)  # activations by cp.async
