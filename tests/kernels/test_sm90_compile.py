@@ -55,6 +55,16 @@ def test_decode_kernel_sass(fmt, tmp_path):
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_decode_kernel_l2_prefetch_sass(fmt, tmp_path):
+    """PF > 0 adds the bulk L2 prefetch (UBLKPF) and costs no spills."""
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=2, U=2, BMX=8, DEPTH=2, PF=2)
+    ops = _ops(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED, tmp_path))
+    assert any(o.startswith("UBLKPF.L2") for o in ops)
+    assert any(o.startswith("HMMA.16816.F32.BF16") for o in ops)
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
+
+
 @pytest.mark.parametrize("cc", [80, 120])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_decode_and_dequant_kernels_build_for_sm80_and_sm120(fmt, cc):

@@ -13,6 +13,11 @@ the 8/16-wide side), so M = 1 costs as little tensor-core work as M = 8.
 The grid is (N tiles, K splits, M tiles). With K split in SPLIT parts, each program writes its fp32
 partial tile to a workspace and takes a ticket; the last program of a tile sums the partials in
 split order (deterministic), applies the per-row factor and bias, writes y, and resets the ticket.
+
+PF > 0: besides the DEPTH tiles in registers, each program asks L2 for its weights PF to 2 PF loop
+trips ahead (sm_90's cp.async.bulk.prefetch: per warp and row group one for the words and one for
+the scales, every PF trips): the register loads then wait for L2 rather than DRAM, so the same
+registers keep more bytes in flight. A prefetch is a hint and never changes a value.
 """
 
 import torch
@@ -178,6 +183,32 @@ def _load_w(W_base, w_off, S_base, s_off, kt, FMT: gl.constexpr):
             gl.load(S_base + s_off + kt * SCALE_BYTES, eviction_policy="evict_first"))
 
 
+_BULK_PREFETCH_L2 = gl.constexpr(
+    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }")
+
+
+@gluon.jit
+def _prefetch_l2(W_base, S_base, KT, k0, k1, FMT: gl.constexpr, NW: gl.constexpr, R: gl.constexpr):
+    """Ask L2 for the words and scales of K steps [k0, k1) of this program's row groups (nothing when
+    k1 <= k0). A row group's steps are contiguous (layout.py), so each warp issues one bulk prefetch
+    per row group of its own for the words and one for the scales. The operands are the same in all
+    lanes of a warp: the instruction takes uniform registers, and ptxas's loop over distinct lane
+    values then runs once."""
+    WORD_BYTES: gl.constexpr = 32 * (8 if FMT == 2 else 4) * 4  # per row group and K step
+    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32
+    warp = gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0])) // 32
+    steps = gl.maximum(k1 - k0, 0)
+    issue = (warp >= 0) & (steps > 0)
+    for r in gl.static_range(R):
+        step0 = (warp * R + r).to(gl.int64) * KT + k0  # the row group's first K step
+        words = W_base.to(gl.pointer_type(gl.uint8)) + step0 * WORD_BYTES
+        gl.inline_asm_elementwise(_BULK_PREFETCH_L2, "=r,l,r,r", [words, issue.to(gl.int32), steps * WORD_BYTES],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_BULK_PREFETCH_L2, "=r,l,r,r",
+                                  [S_base + step0 * SCALE_BYTES, issue.to(gl.int32), steps * SCALE_BYTES],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _mma_step(acc, w, s, x_ptr, x_k, kt, K, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
               a_layout: gl.constexpr, b_layout: gl.constexpr, FULL_K: gl.constexpr):
@@ -209,7 +240,7 @@ def decode_gemm_kernel(
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
-    FULL_K: gl.constexpr = False,
+    FULL_K: gl.constexpr = False, PF: gl.constexpr = 0,
 ):
     RG: gl.constexpr = NW * R  # 16-row groups per program
     BN: gl.constexpr = RG * ROW_GROUP
@@ -240,12 +271,19 @@ def decode_gemm_kernel(
     # the oldest. The trip is unrolled DEPTH times so the tiles rotate through fixed register sets (a
     # loop-carried rotation would copy whole tiles every trip). Loads past the split end re-read its
     # last tile (clamped) and are never used.
+    TRIP: gl.constexpr = DEPTH * U  # K steps per loop trip
+    if PF:  # the PF trips after the tiles loaded below; the loop asks for PF more every PF trips
+        _prefetch_l2(W_base, S_base, KT, k_begin + TRIP, gl.minimum(k_begin + (1 + PF) * TRIP, k_end), FMT, NW, R)
     tiles = ()
     for j in gl.static_range(DEPTH):
         tiles = tiles + (_load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)
     acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
     for i in range(n_iter // DEPTH):
-        kt = k_begin + i * (DEPTH * U)
+        kt = k_begin + i * TRIP
+        if PF:
+            if i % PF == 0:  # the register loads of trip i read steps kt + TRIP on, asked for >= PF trips ago
+                k0 = kt + (1 + PF) * TRIP
+                _prefetch_l2(W_base, S_base, KT, k0, gl.minimum(k0 + PF * TRIP, k_end), FMT, NW, R)
         for j in gl.static_range(DEPTH):
             nxt = _load_w(W_base, w_off, S_base, s_off, gl.minimum(kt + (j + DEPTH) * U, k_last), FMT)
             w, s = tiles[0]

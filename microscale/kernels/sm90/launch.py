@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ...formats.spec import E4M3_MAX
+from ..dispatch import compute_capability
 from ..quantize import _e4m3_bits
 from . import decode, wgmma
 from .layout import K_STEP, ROW_GROUP, padded_shape
@@ -39,6 +40,7 @@ class DecodeConfig:
     block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
     split: int = 0  # K splits; 0 = chosen from the grid size
     ctas_per_sm: int = 4  # target programs per SM when the split is chosen
+    prefetch: int = 0  # loop trips of weights asked of L2 ahead of the register loads (0: none; sm_90+)
 
     @property
     def block_n(self) -> int:
@@ -142,7 +144,8 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     tickets = _tickets(x.device, tiles_n * tiles_m)
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
                       U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth,
-                      FULL_K=k == kp)
+                      FULL_K=k == kp,
+                      PF=cfg.prefetch if (compute_capability(x.device) or (0, 0)) >= (9, 0) else 0)
     # workspace (fp32), steps and split are placeholders until the split is known
     args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
