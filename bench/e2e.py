@@ -393,7 +393,8 @@ def markdown(results: dict) -> str:
         "",
         "| format | batch | backend | weights GiB (Linears in format) | (b) graph ms/step | (b) x bf16 "
         "| (c) compiled graph ms/step | (c) tok/s | (c) x bf16 | (d) fused ms/step | (d) tok/s | (d) x bf16 "
-        "| (a) generate ms/step | (a) tok/s | (a) x bf16 | (a) GPU ms: linear / attn / other | (a) host ms | peak GiB |",
+        "| (a) generate ms/step | (a) tok/s | (a) x bf16 | (a) GPU ms: linear / attn / other | (a) host ms "
+        "| peak GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
@@ -407,8 +408,8 @@ def markdown(results: dict) -> str:
                      f"| {f(d.get('ms_per_step'), 3)} | {f(d.get('tokens_per_s'), 0)} | {f(d.get('speedup_vs_bf16'))} "
                      f"| {f(a.get('ms_per_step'), 3)} | {f(a.get('tokens_per_s'), 0)} | {f(a.get('speedup_vs_bf16'))} "
                      f"| {gpu} | {f(a.get('host_ms_per_step'))} | {f(peak)} |")
-    mismatched = [f"{r['format']} b{r['batch']} {how}" for r in results["rows"] for how in ("graph", "compiled-graph", "fused")
-                  if r.get(how, {}).get("tokens_equal_eager") is False]
+    mismatched = [f"{r['format']} b{r['batch']} {how}" for r in results["rows"]
+                  for how in ("graph", "compiled-graph", "fused") if r.get(how, {}).get("tokens_equal_eager") is False]
     if mismatched:
         lines += ["", f"Graph replay tokens differ from eager for: {', '.join(mismatched)}."]
     lines += ["", "Runs merged into this table (JSON: `bench/results/e2e_h200.json`): "

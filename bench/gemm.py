@@ -262,8 +262,8 @@ def _key_results(results: dict) -> list:
             fastest_bf16[nk] = min(fastest_bf16.get(nk, r["bf16_us"]), r["bf16_us"])
 
     def sp_fastest(fmt, m, n, k):
-        r = g.get((fmt, m, n, k, "sm90:decode"))
-        return None if r is None else fastest_bf16[n, k] / r["us"]
+        r, bf16_us = g.get((fmt, m, n, k, "sm90:decode")), fastest_bf16.get((n, k))
+        return None if r is None or bf16_us is None else bf16_us / r["us"]
 
     rows = ["## Key results against the targets", "",
             "Decode rows: speed-up over cuBLAS bf16 in the same record, and in brackets over the fastest cuBLAS "
@@ -428,7 +428,8 @@ def main():
         best = {}
         for r in results.get("sweep", []):
             if r.get("op") == "quantize":
-                print("quantize", r["format"], r["global_scale"], r.get("tile", "default"), r["us"] and round(r["us"], 1))
+                print("quantize", r["format"], r["global_scale"], r.get("tile", "default"),
+                      r["us"] and round(r["us"], 1))
             elif r["us"] is not None:
                 key = (r["format"], r["M"], r["N"], r["K"])
                 best.setdefault(key, []).append(r)

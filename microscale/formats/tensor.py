@@ -125,7 +125,8 @@ class QTensor:
                 raise ValueError(f"QTensor.concat_rows: tensor {i} is {t.fmt.name} {list(t.shape)}, tensor 0 is "
                                  f"{first.fmt.name} {list(first.shape)}: the format and columns must match")
             if t.data.device != first.data.device:
-                raise ValueError(f"QTensor.concat_rows: tensor {i} is on {t.data.device}, tensor 0 on {first.data.device}")
+                raise ValueError(f"QTensor.concat_rows: tensor {i} is on {t.data.device}, "
+                                 f"tensor 0 on {first.data.device}")
             if first.global_scale is not None and not torch.equal(t.global_scale, first.global_scale):
                 raise ValueError(f"QTensor.concat_rows: tensor {i} has NVFP4 global scale {t.global_scale.item()!r}, "
                                  f"tensor 0 {first.global_scale.item()!r}: rows under different global scales "
