@@ -24,11 +24,16 @@ def _bf16x2(words: torch.Tensor):
     return lo, hi
 
 
+def _rotl32(w: torch.Tensor, r: int) -> torch.Tensor:
+    """shf.l.wrap.b32 of an int32 tensor with itself: rotate left by r."""
+    return (w << r) | ((w >> (32 - r)) & ((1 << r) - 1))
+
+
 def _fp4_registers(w: torch.Tensor):
-    """decode.py's _FP4_DECODE without the scale: 4 bf16x2 registers per word."""
-    u = (w >> 6) & 0x03FFFFFF
-    v = ((u & 0x00300030) * 1028) & 0x80408040
-    return [w & 0x81C081C0, (w << 3) & 0x81C081C0, (w << 6) & 0x81C081C0, (u & 0x01800180) | v]
+    """decode.py's _FP4_DECODE without the scale: 4 bf16x2 registers per word (int32 arithmetic wraps
+    as the PTX does)."""
+    m = 0x81C081C0 - (1 << 32)  # the mask as an int32
+    return [w & m, _rotl32(w, 10) & m, _rotl32(w, 13) & m, ((w & 0x001B001B) * 0x1084) & m]
 
 
 def _fp8_registers(w: torch.Tensor):
@@ -64,6 +69,27 @@ def emulate_decode(data, scale, row_mult, fmt: str, n: int, k: int) -> torch.Ten
     w = w.view(np_ // 16, kp // 64, 8, 4, 2, 2, 2, 2, 2)  # rg, kt, g, t, khi, rsel, i2, i1, i0
     w = w.permute(0, 5, 2, 1, 3, 6, 7, 4, 8).reshape(np_, kp)
     return (w * row_mult[:, None])[:n, :k]
+
+
+def test_fp4_word_decodes_every_code_pair_exactly(seed):
+    """Every (code, code) pair of every bf16x2 register of an FP4 word, the other six elements random:
+    the register halves are the E2M1 values times 2**-126 (the multiply that gathers register 3 must
+    carry nothing into the kept bits)."""
+    from microscale.formats.codec import e2m1_decode
+    from microscale.kernels.sm90.layout import FP4_BITS
+
+    g = torch.Generator().manual_seed(seed)
+    pairs = torch.cartesian_prod(torch.arange(16), torch.arange(16))  # [256, 2]
+    for j in range(4):
+        codes = torch.randint(0, 16, (256, 8), generator=g)
+        codes[:, 2 * j], codes[:, 2 * j + 1] = pairs[:, 0], pairs[:, 1]
+        word = torch.zeros(256, dtype=torch.int32)
+        for i, positions in enumerate(FP4_BITS):
+            for bit, pos in enumerate(positions):
+                word |= ((codes[:, i] >> bit) & 1).to(torch.int32) << pos
+        lo, hi = _bf16x2(_fp4_registers(word)[j])
+        want = e2m1_decode(pairs.to(torch.uint8)).float() * 2.0**-126
+        assert torch.equal(lo, want[:, 0]) and torch.equal(hi, want[:, 1]), f"register {j}"
 
 
 def _weights(n, k, kind, seed):

@@ -31,20 +31,17 @@ FMT_CODE = {"nvfp4": 0, "mxfp4": 1, "mxfp8": 2}
 # fma with -0 rather than mul.bf16x2, which needs sm_90, so the kernel also runs on sm_80).
 # s' (bf16x2) = code * MUL + ADD: NVFP4 0x00100010 / 0x75807580 (layout.NVFP4_SCALE_BASE), MX 0x00800080 / 0.
 _FP4_DECODE = """{{
-.reg .b32 s, t, u, v, z;
+.reg .b32 s, t, z;
 mov.b32 z, 0x80008000;
 mad.lo.u32 s, $12, {mul}, {add};
 and.b32 $0, $4, 0x81C081C0;
-shl.b32 t, $4, 3;
+shf.l.wrap.b32 t, $4, $4, 10;
 and.b32 $1, t, 0x81C081C0;
-shl.b32 t, $4, 6;
+shf.l.wrap.b32 t, $4, $4, 13;
 and.b32 $2, t, 0x81C081C0;
-shr.u32 u, $4, 6;
-and.b32 v, u, 0x00300030;
-mul.lo.u32 v, v, 1028;
-and.b32 v, v, 0x80408040;
-and.b32 u, u, 0x01800180;
-or.b32 $3, u, v;
+and.b32 t, $4, 0x001B001B;
+mul.lo.u32 t, t, 0x1084;
+and.b32 $3, t, 0x81C081C0;
 fma.rn.bf16x2 $0, $0, s, z;
 fma.rn.bf16x2 $1, $1, s, z;
 fma.rn.bf16x2 $2, $2, s, z;

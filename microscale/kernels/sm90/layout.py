@@ -64,13 +64,15 @@ K_ALIGN = 128  # K padding: 2 K steps, the default decode tiles' trip (unroll 4 
 
 # bf16x2 register j (j = 0..3) of an FP4 word takes element 2j in its low half and 2j+1 in its
 # high half. FP4_BITS[i] = word bit positions of (mantissa, exponent lsb, exponent msb, sign) of
-# element i (i = 0..7 in register order). Registers 0..2 are (w << 3j) & 0x81C081C0; register 3
-# gathers the leftover bits {10, 11, 13, 14} with a shift, a multiply and two masks (decode.py).
+# element i (i = 0..7 in register order). Registers 0..2 are rotl(w, 0 | 10 | 13) & 0x81C081C0 (no
+# three translates of the pattern and a fourth tile the word, so one register is gathered
+# otherwise): register 3 is ((w & 0x001B001B) * 0x1084) & 0x81C081C0, the multiply shifting its bits
+# left by 2, 7 and 12 with no carries into the kept bits (all 256 values: test_sm90_layout.py).
 FP4_BITS = (
     (6, 7, 8, 15), (22, 23, 24, 31),
-    (3, 4, 5, 12), (19, 20, 21, 28),
-    (0, 1, 2, 9), (16, 17, 18, 25),
-    (10, 13, 14, 11), (26, 29, 30, 27),
+    (28, 29, 30, 5), (12, 13, 14, 21),
+    (25, 26, 27, 2), (9, 10, 11, 18),
+    (4, 0, 1, 3), (20, 16, 17, 19),
 )
 # MXFP8: byte of the word that holds element i (elements 0, 1 -> bytes 1, 3; 2, 3 -> bytes 0, 2).
 FP8_BYTE_OF_ELEMENT = (1, 3, 0, 2)
