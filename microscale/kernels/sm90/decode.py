@@ -179,15 +179,20 @@ def _load_w(W_base, w_off, S_base, s_off, kt, FMT: gl.constexpr):
 
 
 @gluon.jit
-def _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt, K, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
-              a_layout: gl.constexpr, b_layout: gl.constexpr):
+def _mma_step(acc, w, s, x_ptr, x_k, kt, K, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
+              a_layout: gl.constexpr, b_layout: gl.constexpr, FULL_K: gl.constexpr):
     """acc += dequant(W tile) @ x tile^T for K steps kt .. kt+U-1.
 
     x comes from L2 and is loaded here rather than prefetched: its latency hides behind the decode,
-    and a prefetched activation tile would hold BMX rows of registers even for M = 1.
+    and a prefetched activation tile would hold BMX rows of registers even for M = 1. Rows past M
+    read row M - 1 again (x_ptr), so no load is masked by row; columns past K (only when K is not
+    the padded K, FULL_K false) must be zeros, as they meet zero weights.
     """
     k0 = kt * K_STEP
-    x = gl.load(x_ptr + k0, mask=x_row_ok & (x_k[None, :] + k0 < K), other=0.0)
+    if FULL_K:
+        x = gl.load(x_ptr + k0)
+    else:
+        x = gl.load(x_ptr + k0, mask=(x_k[None, :] + k0 < K), other=0.0)
     a = gl.convert_layout(_dequant_tile(w, s, FMT, RG, U), a_layout, assert_trivial=True)
     x_hi = x.to(gl.bfloat16)
     acc = gl.nvidia.ampere.mma_v2(a, _x_to_operand(x_hi, U, x.shape[0], b_layout), acc)
@@ -204,6 +209,7 @@ def decode_gemm_kernel(
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
+    FULL_K: gl.constexpr = False,
 ):
     RG: gl.constexpr = NW * R  # 16-row groups per program
     BN: gl.constexpr = RG * ROW_GROUP
@@ -226,8 +232,9 @@ def decode_gemm_kernel(
 
     x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
     x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
-    x_ptr = X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :]
-    x_row_ok = (x_m < M)[:, None]
+    # rows past M repeat row M - 1: their columns of acc are never stored, and unmasked loads need
+    # neither predicates nor zeroed registers
+    x_ptr = X + gl.minimum(x_m, M - 1)[:, None].to(gl.int64) * stride_xm + x_k[None, :]
 
     # K loop with DEPTH weight tiles in flight: each step issues the load DEPTH tiles ahead and consumes
     # the oldest. The trip is unrolled DEPTH times so the tiles rotate through fixed register sets (a
@@ -242,13 +249,15 @@ def decode_gemm_kernel(
         for j in gl.static_range(DEPTH):
             nxt = _load_w(W_base, w_off, S_base, s_off, gl.minimum(kt + (j + DEPTH) * U, k_last), FMT)
             w, s = tiles[0]
-            acc = _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout)
+            acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
+                            FULL_K)
             tiles = tiles[1:] + (nxt,)
     kt = k_begin + (n_iter // DEPTH) * (DEPTH * U)
     for j in gl.static_range(DEPTH - 1):
         if j < n_iter % DEPTH:
             w, s = tiles[j]
-            acc = _mma_step(acc, w, s, x_ptr, x_row_ok, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout)
+            acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
+                            FULL_K)
 
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))

@@ -141,7 +141,8 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     tickets = _tickets(x.device, tiles_n * tiles_m)
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
-                      U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth)
+                      U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth,
+                      FULL_K=k == kp)
     # workspace (fp32), steps and split are placeholders until the split is known
     args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
