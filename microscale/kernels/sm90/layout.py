@@ -21,8 +21,8 @@ contiguous bytes:
 Word q of a lane holds its elements 8q .. 8q+7 (FP4) or 4q .. 4q+3 (FP8) in register order:
 rows g + 8 rsel, logical k = 32 khi + 8t + i (+ 4 k4), q = (khi, rsel[, k4]), last bit fastest.
 
-Bits inside an FP4 word are placed so that masks and shifts turn it into four bf16x2 registers
-(FP4_BITS below): E2M1 sign -> bf16 bit 15, exponent and mantissa -> bits 8..6. That is
+Bits inside an FP4 word are placed so that masks, rotations and one multiply turn it into four bf16x2
+registers (FP4_BITS below): E2M1 sign -> bf16 bit 15, exponent and mantissa -> bits 8..6. That is
 value * 2**-126, the E2M1 subnormal landing on a bf16 subnormal; the factor is folded into the
 block scale. MXFP8 bytes are placed so that (w & 0x80008000) | ((w >> 4) & 0x07F007F0) and the
 same of (w << 8) are two bf16x2 registers holding value * 2**-120.
