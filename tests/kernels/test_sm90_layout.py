@@ -312,7 +312,7 @@ def test_split_stops_at_one_full_wave():
 def test_decode_config_tiles_fit_the_padded_rows(fmt):
     """Every tile decode_config picks divides the row padding (else decode_gemm refuses the weight),
     and the two-row-group tile for M = 2-8 goes only where the session-6 sweep measured it faster:
-    FP4 weights, N >= 8192 (docstring)."""
+    FP4 weights, N >= 8192; three tiles in flight only for MXFP8 at M = 2-8 (session 7; docstring)."""
     from microscale.kernels.sm90.decode import FMT_CODE
     from microscale.kernels.sm90.launch import decode_config
     from microscale.kernels.sm90.layout import ROW_ALIGN
@@ -323,3 +323,4 @@ def test_decode_config_tiles_fit_the_padded_rows(fmt):
             assert ROW_ALIGN % cfg.block_n == 0 and cfg.block_m >= min(m, 32), (m, n, cfg)
             if m <= 8:
                 assert cfg.reps == (2 if 1 < m and n >= 8192 and fmt != "mxfp8" else 1), (m, n, cfg)
+                assert cfg.depth == (3 if 1 < m and fmt == "mxfp8" else 2), (m, n, cfg)

@@ -53,12 +53,15 @@ def decode_config(m: int, n: int, fmt_code: int) -> DecodeConfig:
     for that (session 6, NVFP4 and MXFP4, M = 2-8: 5-9% faster at 8192x8192, 5-23% on the two
     larger shapes, 11-13% slower at 4096x4096, where half as many row tiles leave each split program
     one K trip; MXFP8, whose weight tiles take twice the registers, gained on one shape and lost
-    1-7% on two). Up to 16, two row groups per warp; above, 32 activation rows per program (M = 17
-    and 32 sweep, session 5: 2 K steps per tile, 2 in flight, beat 1 per tile on 23 of 24 format x
-    shape x M cases, by up to 45%)."""
+    1-7% on two). MXFP8 at M = 2-8 keeps three tiles in flight (session 7, M = 8: 7-16% faster than
+    two on all four shapes; at M = 1 neither won everywhere). Up to 16, two row groups per warp;
+    above, 32 activation rows per program (M = 17 and 32 sweep, session 5: 2 K steps per tile, 2 in
+    flight, beat 1 per tile on 23 of 24 format x shape x M cases, by up to 45%)."""
     if m <= 8:
-        reps = 2 if 1 < m and n >= 8192 and fmt_code != decode.FMT_CODE["mxfp8"] else 1
-        return DecodeConfig(num_warps=4, block_m=8, reps=reps, unroll=2, depth=2, ctas_per_sm=4)
+        fp8 = fmt_code == decode.FMT_CODE["mxfp8"]
+        reps = 2 if 1 < m and n >= 8192 and not fp8 else 1
+        depth = 3 if 1 < m and fp8 else 2
+        return DecodeConfig(num_warps=4, block_m=8, reps=reps, unroll=2, depth=depth, ctas_per_sm=4)
     if m <= 16:
         return DecodeConfig(num_warps=4, block_m=16, reps=2, unroll=2, depth=1, ctas_per_sm=4)
     return DecodeConfig(block_m=32, reps=2, unroll=2, depth=2, ctas_per_sm=2)
