@@ -179,6 +179,28 @@ def _load_w(W_base, w_off, S_base, s_off, kt, FMT: gl.constexpr):
 
 
 @gluon.jit
+def _load_w_guarded(W_base, w_off, S_base, s_off, kt, k_last, FMT: gl.constexpr):
+    """_load_w behind a branch on kt <= k_last (zeros past the split end, never used). ptxas schedules
+    within a basic block, and there it sinks plain loads into one cluster about 60% into the loop trip,
+    which leaves about half a trip, not DEPTH tiles, to hide the DRAM latency (SASS of the sm_90
+    build); behind the branch they stay at the top of their half of the trip."""
+    w = gl.zeros_like(w_off)
+    s = gl.zeros_like(s_off).to(gl.uint8)
+    if kt <= k_last:
+        w, s = _load_w(W_base, w_off, S_base, s_off, kt, FMT)
+    return w, s
+
+
+@gluon.jit
+def _next_tile(W_base, w_off, S_base, s_off, kt, k_last, FMT: gl.constexpr, GUARDED: gl.constexpr):
+    """Weight tile kt for the K loop: clamped to the split's last tile (re-read, never used), or
+    with GUARDED skipped past it (_load_w_guarded)."""
+    if GUARDED:
+        return _load_w_guarded(W_base, w_off, S_base, s_off, kt, k_last, FMT)
+    return _load_w(W_base, w_off, S_base, s_off, gl.minimum(kt, k_last), FMT)
+
+
+@gluon.jit
 def _mma_step(acc, w, s, x_ptr, x_k, kt, K, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
               a_layout: gl.constexpr, b_layout: gl.constexpr, FULL_K: gl.constexpr):
     """acc += dequant(W tile) @ x tile^T for K steps kt .. kt+U-1.
@@ -209,7 +231,7 @@ def decode_gemm_kernel(
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
-    FULL_K: gl.constexpr = False,
+    FULL_K: gl.constexpr = False, GUARDED: gl.constexpr = False,
 ):
     RG: gl.constexpr = NW * R  # 16-row groups per program
     BN: gl.constexpr = RG * ROW_GROUP
@@ -238,16 +260,15 @@ def decode_gemm_kernel(
 
     # K loop with DEPTH weight tiles in flight: each step issues the load DEPTH tiles ahead and consumes
     # the oldest. The trip is unrolled DEPTH times so the tiles rotate through fixed register sets (a
-    # loop-carried rotation would copy whole tiles every trip). Loads past the split end re-read its
-    # last tile (clamped) and are never used.
+    # loop-carried rotation would copy whole tiles every trip). Tiles past the split end are never used.
     tiles = ()
     for j in gl.static_range(DEPTH):
-        tiles = tiles + (_load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)
+        tiles = tiles + (_next_tile(W_base, w_off, S_base, s_off, k_begin + j * U, k_last, FMT, GUARDED),)
     acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
     for i in range(n_iter // DEPTH):
         kt = k_begin + i * (DEPTH * U)
         for j in gl.static_range(DEPTH):
-            nxt = _load_w(W_base, w_off, S_base, s_off, gl.minimum(kt + (j + DEPTH) * U, k_last), FMT)
+            nxt = _next_tile(W_base, w_off, S_base, s_off, kt + (j + DEPTH) * U, k_last, FMT, GUARDED)
             w, s = tiles[0]
             acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
                             FULL_K)

@@ -39,6 +39,7 @@ class DecodeConfig:
     block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
     split: int = 0  # K splits; 0 = chosen from the grid size
     ctas_per_sm: int = 4  # target programs per SM when the split is chosen
+    guarded_loads: bool = False  # weight loads behind a branch: ptxas keeps them ahead (decode._load_w_guarded)
 
     @property
     def block_n(self) -> int:
@@ -145,7 +146,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     tickets = _tickets(x.device, tiles_n * tiles_m)
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
                       U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth,
-                      FULL_K=k == kp)
+                      FULL_K=k == kp, GUARDED=cfg.guarded_loads)
     # workspace (fp32), steps and split are placeholders until the split is known
     args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
