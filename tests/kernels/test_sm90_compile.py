@@ -55,40 +55,43 @@ def test_decode_kernel_sass(fmt, tmp_path):
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
 
 
-def _main_loop(ops_with_addr):
-    """The ops of the longest loop in the SASS (the span of its backward branch)."""
+def _main_loop(instructions):
+    """(opcode, operands) of the instructions of the longest loop in the SASS (its backward branch's span)."""
     best = (0, 0)
-    for i, (addr, op, target) in enumerate(ops_with_addr):
-        if op == "BRA" and target is not None and target < addr:
-            j = next(j for j, (a, _, _) in enumerate(ops_with_addr) if a == target)
+    for i, (addr, op, operands) in enumerate(instructions):
+        target = re.fullmatch(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            j = next(j for j, (a, _, _) in enumerate(instructions) if a == int(target.group(1), 16))
             best = max(best, (j, i + 1), key=lambda span: span[1] - span[0])
-    return [op for _, op, _ in ops_with_addr[best[0]:best[1]]]
+    return [(op, operands) for _, op, operands in instructions[best[0]:best[1]]]
 
 
 def _ops_with_addr(sass):
-    """(address, opcode, branch target or None) per instruction."""
-    out = []
-    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass):
-        target = re.match(r"\s*(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", m.group(3)) if m.group(2) == "BRA" else None
-        out.append((int(m.group(1), 16), m.group(2), int(target.group(1), 16) if target and target.group(1) else None))
-    return out
+    """(address, opcode, operands) per instruction (predicate guards dropped)."""
+    return [(int(m.group(1), 16), m.group(2), m.group(3).strip())
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);", sass)]
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_decode_guarded_loads_stay_ahead_of_their_mmas(fmt, tmp_path):
-    """With GUARDED (DecodeConfig.guarded_loads) the weight loads of each half of the unrolled K-loop
-    trip come before that half's MMAs in the sm_90 SASS; ptxas sinks the plain (clamped) loads into
-    one cluster about 60% into the trip (decode._load_w_guarded)."""
+    """With GUARDED (DecodeConfig.guarded_loads) the loop trip (DEPTH + 1 = 3 K steps of 8 MMAs) issues
+    each step's weight loads before that step's MMAs, and no register copy hands a loaded tile on to the
+    next trip (one would wait for its load in the trip that issued it), in the sm_90 SASS. Without
+    the branch, ptxas sinks the loads towards the end of the trip (decode._load_w_guarded)."""
     constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2,
                       FULL_K=True, GUARDED=True)
-    ops = _main_loop(_ops_with_addr(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED,
-                                          tmp_path)))
+    loop = _main_loop(_ops_with_addr(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED,
+                                           tmp_path)))
+    ops = [op for op, _ in loop]
     mmas = [i for i, o in enumerate(ops) if o.startswith("HMMA")]
-    loads = [i for i, o in enumerate(ops) if o.startswith("LDG.E.EF")]
-    assert len(mmas) == 16 and len(loads) == (12 if fmt == "mxfp8" else 8), (len(mmas), len(loads))
-    half = len(loads) // 2
-    assert max(loads[:half]) < mmas[0], (loads, mmas)  # the first half's tile, ahead of its 8 MMAs
-    assert mmas[7] < min(loads[half:]) and max(loads[half:]) < mmas[8], (loads, mmas)  # the second half's
+    loads = [i for i, o in enumerate(ops) if o.startswith("LDG.E.EF")]  # the weight tiles' (evict-first)
+    per_step = 6 if fmt == "mxfp8" else 4  # 16-byte word loads and 2-byte scale loads of one tile
+    assert len(mmas) == 24 and len(loads) == 3 * per_step, (len(mmas), len(loads))
+    for step in range(3):
+        mine = loads[step * per_step:(step + 1) * per_step]
+        assert (mmas[8 * step - 1] if step else -1) < min(mine) and max(mine) < mmas[8 * step], (step, loads, mmas)
+    copies = [operands for op, operands in loop if "MOV" in op and re.fullmatch(r"R\d+, RZ, RZ, R\d+", operands)]
+    assert len(copies) <= 1, copies
 
 
 @pytest.mark.parametrize("cc", [80, 120])

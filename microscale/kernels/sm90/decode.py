@@ -181,9 +181,9 @@ def _load_w(W_base, w_off, S_base, s_off, kt, FMT: gl.constexpr):
 @gluon.jit
 def _load_w_guarded(W_base, w_off, S_base, s_off, kt, k_last, FMT: gl.constexpr):
     """_load_w behind a branch on kt <= k_last (zeros past the split end, never used). ptxas schedules
-    within a basic block, and there it sinks plain loads into one cluster about 60% into the loop trip,
-    which leaves about half a trip, not DEPTH tiles, to hide the DRAM latency (SASS of the sm_90
-    build); behind the branch they stay at the top of their half of the trip."""
+    within a basic block, and there it sinks plain loads towards the end of the loop trip, close to
+    their first use, which leaves a fraction of a trip rather than DEPTH K steps to hide the DRAM
+    latency (SASS of the sm_90 build); behind the branch they stay at the top of their step."""
     w = gl.zeros_like(w_off)
     s = gl.zeros_like(s_off).to(gl.uint8)
     if kt <= k_last:
@@ -259,23 +259,26 @@ def decode_gemm_kernel(
     x_ptr = X + gl.minimum(x_m, M - 1)[:, None].to(gl.int64) * stride_xm + x_k[None, :]
 
     # K loop with DEPTH weight tiles in flight: each step issues the load DEPTH tiles ahead and consumes
-    # the oldest. The trip is unrolled DEPTH times so the tiles rotate through fixed register sets (a
-    # loop-carried rotation would copy whole tiles every trip). Tiles past the split end are never used.
+    # the oldest, so DEPTH + 1 tiles are live while a load is issued. The trip is unrolled DEPTH + 1
+    # times, after which the tiles are back in the register sets they started in: with fewer, the
+    # back edge copies the freshly loaded tiles into place, and each copy waits for its load in the
+    # same trip (SASS of the sm_90 build). Tiles past the split end are never used.
+    STEPS: gl.constexpr = DEPTH + 1
     tiles = ()
     for j in gl.static_range(DEPTH):
         tiles = tiles + (_next_tile(W_base, w_off, S_base, s_off, k_begin + j * U, k_last, FMT, GUARDED),)
     acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
-    for i in range(n_iter // DEPTH):
-        kt = k_begin + i * (DEPTH * U)
-        for j in gl.static_range(DEPTH):
+    for i in range(n_iter // STEPS):
+        kt = k_begin + i * (STEPS * U)
+        for j in gl.static_range(STEPS):
             nxt = _next_tile(W_base, w_off, S_base, s_off, kt + (j + DEPTH) * U, k_last, FMT, GUARDED)
             w, s = tiles[0]
             acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
                             FULL_K)
             tiles = tiles[1:] + (nxt,)
-    kt = k_begin + (n_iter // DEPTH) * (DEPTH * U)
-    for j in gl.static_range(DEPTH - 1):
-        if j < n_iter % DEPTH:
+    kt = k_begin + (n_iter // STEPS) * (STEPS * U)
+    for j in gl.static_range(DEPTH):
+        if j < n_iter % STEPS:
             w, s = tiles[j]
             acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
                             FULL_K)
