@@ -237,9 +237,10 @@ def decode_gemm_kernel(
     x_ptr = X + gl.minimum(x_m, M - 1)[:, None].to(gl.int64) * stride_xm + x_k[None, :]
 
     # K loop with DEPTH weight tiles in flight: each step issues the load DEPTH tiles ahead and consumes
-    # the oldest. The trip is unrolled DEPTH times so the tiles rotate through fixed register sets (a
-    # loop-carried rotation would copy whole tiles every trip). Loads past the split end re-read its
-    # last tile (clamped) and are never used.
+    # the oldest. The trip is unrolled DEPTH times; as DEPTH + 1 tiles are live while a load is issued,
+    # the SASS copies the loaded tiles into place at the back edge, each copy waiting for its load in
+    # the trip that issued it (docs/hopper.md; branch decode-unroll-rotation unrolls DEPTH + 1 times).
+    # Loads past the split end re-read its last tile (clamped) and are never used.
     tiles = ()
     for j in gl.static_range(DEPTH):
         tiles = tiles + (_load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)
