@@ -129,8 +129,10 @@ def _format_kwargs(fmt, x, b):
     """NVFP4: the global scale computed, given as a float, and given as a tensor low enough that
     the largest rotated values saturate; MX: RCEIL, and FLOOR for MXFP4."""
     if fmt == "nvfp4":
-        saturating = 2688.0 / (exact_rotate(x.cpu().float(), b).abs().max().item() / 4)
-        return [{}, {"global_scale": 3.5}, {"global_scale": torch.tensor(saturating, device=x.device)}]
+        amax = exact_rotate(x.cpu().float(), b).abs().max().item()
+        if amax == 0:  # an all-zero x (M = 1 may draw the zero row): nothing can saturate
+            return [{}, {"global_scale": 3.5}]
+        return [{}, {"global_scale": 3.5}, {"global_scale": torch.tensor(2688.0 / (amax / 4), device=x.device)}]
     return [{}] + ([{"scale_mode": ScaleMode.FLOOR}] if fmt == "mxfp4" else [])
 
 
