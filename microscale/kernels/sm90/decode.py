@@ -19,6 +19,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from . import layout as hopper_layout
 
@@ -149,13 +150,19 @@ def _dequant_tile(w, s, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
                                          is_pure=True, pack=8)
 
 
+@gluon.constexpr_function
+def _word_layout(NW, WORDS):
+    """Register layout of a word tile [RG, U, 32 lanes, WORDS]: a lane's WORDS words in its registers."""
+    return gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+
+
 @gluon.jit
 def _weight_tile_pointers(W, S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
     """Base pointers of row tile pid_n and per-lane offsets of its word tile [RG, U, 32, WORDS] (int32)
     and scale tile [RG, U, 32, 2] (bytes) within one K step; _load_w adds the K step."""
     WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
     SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32  # scale bytes per row group and K step
-    w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    w_layout: gl.constexpr = _word_layout(NW, WORDS)
     s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
     w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
@@ -173,9 +180,14 @@ def _load_w(W_base, w_off, S_base, s_off, kt, FMT: gl.constexpr):
     """The word and scale tiles of K steps kt .. kt+U-1, marked evict-first: weights are read once, and
     keeping them from pushing the activations and other lines out of L2 measured 3-15% faster."""
     WORDS: gl.constexpr = 8 if FMT == 2 else 4
+    return gl.load(W_base + w_off + kt * (32 * WORDS), eviction_policy="evict_first"), _load_s(S_base, s_off, kt, FMT)
+
+
+@gluon.jit
+def _load_s(S_base, s_off, kt, FMT: gl.constexpr):
+    """The scale tile of K steps kt .. kt+U-1 (evict-first, as _load_w)."""
     SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32
-    return (gl.load(W_base + w_off + kt * (32 * WORDS), eviction_policy="evict_first"),
-            gl.load(S_base + s_off + kt * SCALE_BYTES, eviction_policy="evict_first"))
+    return gl.load(S_base + s_off + kt * SCALE_BYTES, eviction_policy="evict_first")
 
 
 @gluon.jit
@@ -204,6 +216,26 @@ def _mma_step(acc, w, s, x_ptr, x_k, kt, K, FMT: gl.constexpr, RG: gl.constexpr,
 
 
 @gluon.jit
+def _program_setup(X, M, KT, steps_per_split, stride_xm, U: gl.constexpr, BMX: gl.constexpr,
+                   x_layout: gl.constexpr):
+    """This program's tile indices, its K steps [k_begin, k_begin + n_iter * U) (k_last: the start of
+    its last tile) and the activation pointers of its first K tile."""
+    pid_n = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_begin = pid_s * steps_per_split
+    k_end = gl.minimum(k_begin + steps_per_split, KT)
+    n_iter = gl.maximum(k_end - k_begin, 0) // U
+    k_last = gl.maximum(k_end - U, 0)
+    x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
+    x_k = gl.arange(0, U * K_STEP, layout=gl.SliceLayout(0, x_layout))
+    # rows past M repeat row M - 1: their columns of acc are never stored, and unmasked loads need
+    # neither predicates nor zeroed registers
+    x_ptr = X + gl.minimum(x_m, M - 1)[:, None].to(gl.int64) * stride_xm + x_k[None, :]
+    return pid_n, pid_s, pid_m, k_begin, n_iter, k_last, x_ptr, x_k
+
+
+@gluon.jit
 def decode_gemm_kernel(
     X, W, S, ROW_MULT, BIAS, Y, WS, TICKETS,
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
@@ -213,28 +245,15 @@ def decode_gemm_kernel(
 ):
     RG: gl.constexpr = NW * R  # 16-row groups per program
     BN: gl.constexpr = RG * ROW_GROUP
-    BK: gl.constexpr = U * K_STEP
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     x_layout: gl.constexpr = _x_load_layout(NW, U, BMX)
 
-    pid_n = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    k_begin = pid_s * steps_per_split
-    k_end = gl.minimum(k_begin + steps_per_split, KT)
-    n_iter = gl.maximum(k_end - k_begin, 0) // U
-    k_last = gl.maximum(k_end - U, 0)
-
+    pid_n, pid_s, pid_m, k_begin, n_iter, k_last, x_ptr, x_k = _program_setup(X, M, KT, steps_per_split, stride_xm,
+                                                                             U, BMX, x_layout)
     W_base, w_off, S_base, s_off = _weight_tile_pointers(W, S, pid_n, KT, FMT, NW, RG, U)
-
-    x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
-    x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
-    # rows past M repeat row M - 1: their columns of acc are never stored, and unmasked loads need
-    # neither predicates nor zeroed registers
-    x_ptr = X + gl.minimum(x_m, M - 1)[:, None].to(gl.int64) * stride_xm + x_k[None, :]
 
     # K loop with DEPTH weight tiles in flight: each step issues the load DEPTH tiles ahead and consumes
     # the oldest. The trip is unrolled DEPTH times; as DEPTH + 1 tiles are live while a load is issued,
@@ -259,6 +278,87 @@ def decode_gemm_kernel(
             w, s = tiles[j]
             acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
                             FULL_K)
+
+    n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
+    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, n_idx, m_idx, M, N, stride_ym, pid_s, n_split,
+            pid_m * gl.num_programs(0) + pid_n, HAS_BIAS, SPLIT)
+
+
+@gluon.jit
+def _ring_fill(ring, stage, W_base, w_off, kt, WORDS: gl.constexpr):
+    """Start copying the word tile of K steps kt .. into ring stage `stage`: every thread its own 16
+    (FP4) or 32 (FP8) bytes per row group and K step, the ones it reads back, as one commit group."""
+    async_copy.async_copy_global_to_shared(ring.index(stage), W_base + w_off + kt * (32 * WORDS),
+                                           eviction_policy="evict_first")
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _ring_step(acc, ring, i, kt, k_last, W_base, w_off, s, x_ptr, x_k, K, FMT: gl.constexpr, RG: gl.constexpr,
+               U: gl.constexpr, STAGES: gl.constexpr, w_layout: gl.constexpr, a_layout: gl.constexpr,
+               b_layout: gl.constexpr, FULL_K: gl.constexpr):
+    """Tile i (K steps kt ..) from its stage into the MMA, then the stage refilled with tile i + STAGES.
+    Tile i is commit group i and every step commits one group, so STAGES - 1 may still be in flight."""
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4
+    async_copy.wait_group(STAGES - 1)
+    w = ring.index(i % STAGES).load(w_layout)
+    acc = _mma_step(acc, w, s, x_ptr, x_k, kt, K, FMT, RG, U, a_layout, b_layout, FULL_K)
+    # after the MMA, which used w: this thread's read of the stage is done before the copy overwrites it
+    _ring_fill(ring, i % STAGES, W_base, w_off, gl.minimum(kt + STAGES * U, k_last), WORDS)
+    return acc
+
+
+@gluon.jit
+def decode_ring_gemm_kernel(
+    X, W, S, ROW_MULT, BIAS, Y, WS, TICKETS,
+    M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
+    FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+    NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
+    STAGES: gl.constexpr, FULL_K: gl.constexpr = False,
+):
+    """decode_gemm_kernel with the weight words streamed through a ring of STAGES tiles in shared memory
+    (cp.async), so the bytes in flight cost shared memory rather than registers: the M = 16 tile, whose
+    activations and accumulators hold most of its registers, keeps only one weight tile in registers
+    otherwise (ncu: 20% achieved occupancy, DRAM half busy). A thread copies exactly the bytes it reads
+    back, so no barrier is needed between warps. The scale tiles rotate through DEPTH register tiles
+    as in decode_gemm_kernel."""
+    RG: gl.constexpr = NW * R
+    BN: gl.constexpr = RG * ROW_GROUP
+    WORDS: gl.constexpr = 8 if FMT == 2 else 4
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    x_layout: gl.constexpr = _x_load_layout(NW, U, BMX)
+    w_layout: gl.constexpr = _word_layout(NW, WORDS)
+
+    pid_n, pid_s, pid_m, k_begin, n_iter, k_last, x_ptr, x_k = _program_setup(X, M, KT, steps_per_split, stride_xm,
+                                                                             U, BMX, x_layout)
+    W_base, w_off, S_base, s_off = _weight_tile_pointers(W, S, pid_n, KT, FMT, NW, RG, U)
+
+    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, RG, U, 32, WORDS], plain)
+    for j in gl.static_range(STAGES):  # tiles past the split end re-read its last one and are never used
+        _ring_fill(ring, j, W_base, w_off, gl.minimum(k_begin + j * U, k_last), WORDS)
+    scales = ()
+    for j in gl.static_range(DEPTH):
+        scales = scales + (_load_s(S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)
+    acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
+    for t in range(n_iter // DEPTH):
+        for j in gl.static_range(DEPTH):
+            i = t * DEPTH + j
+            kt = k_begin + i * U
+            nxt = _load_s(S_base, s_off, gl.minimum(kt + DEPTH * U, k_last), FMT)
+            acc = _ring_step(acc, ring, i, kt, k_last, W_base, w_off, scales[0], x_ptr, x_k, K, FMT, RG, U, STAGES,
+                             w_layout, a_layout, b_layout, FULL_K)
+            scales = scales[1:] + (nxt,)
+    i0 = (n_iter // DEPTH) * DEPTH
+    for j in gl.static_range(DEPTH - 1):
+        if j < n_iter % DEPTH:
+            acc = _ring_step(acc, ring, i0 + j, k_begin + (i0 + j) * U, k_last, W_base, w_off, scales[j], x_ptr,
+                             x_k, K, FMT, RG, U, STAGES, w_layout, a_layout, b_layout, FULL_K)
+    async_copy.wait_group(0)  # no copy into shared memory outlives the program
 
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))

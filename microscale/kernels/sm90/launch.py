@@ -39,6 +39,7 @@ class DecodeConfig:
     block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
     split: int = 0  # K splits; 0 = chosen from the grid size
     ctas_per_sm: int = 4  # target programs per SM when the split is chosen
+    stages: int = 0  # > 0: weight tiles streamed through a ring of this many in shared memory (ring kernel)
 
     @property
     def block_n(self) -> int:
@@ -150,6 +151,8 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
     kernel = decode.decode_gemm_kernel
+    if cfg.stages:
+        kernel, constexprs["STAGES"] = decode.decode_ring_gemm_kernel, cfg.stages
     resident = 0 if cfg.split else _resident_programs(kernel, args, constexprs, cfg.num_warps, x.device)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
     split = _split_for(cfg, tiles_n * tiles_m, kt // cfg.unroll // 4, sms, resident)  # >= 4 loop trips per program
