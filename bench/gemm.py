@@ -408,7 +408,8 @@ def main():
     p.add_argument("--fp8", action="store_true", help="also time the opt-in FP8 path for MX formats at M >= 512")
     p.add_argument("--kernel", help="time this sm90 kernel instead of the dispatch rule's choice")
     p.add_argument("--sweep", action="store_true", help="tile sweep of the decode kernel (or --kernel wgmma|dequant, "
-                   "or --kernel quantize with grid keys block_m, blocks, num_warps, spread) instead of the benchmark")
+                   "or --kernel quantize with grid keys block_m, blocks, num_warps, spread, optionally iters) instead of "
+                   "the benchmark")
     p.add_argument("--sweep-grid", default='{"block_m": [8, 16], "reps": [1, 2], "unroll": [2, 4], '
                    '"depth": [1, 2, 3], "ctas_per_sm": [2, 4, 8]}',
                    help="JSON {DecodeConfig field: [values]}: the sweep times every combination")
@@ -469,9 +470,10 @@ def main():
         for fmt in formats:
             for n, k in shapes:
                 results["large"] += bench_large(fmt, n, k, ms)
-    elif args.sweep and args.kernel == "quantize":  # grid keys: block_m, blocks, num_warps, spread
+    elif args.sweep and args.kernel == "quantize":  # grid keys: block_m, blocks, num_warps, spread[, iters]
         grid = json.loads(args.sweep_grid)
-        tiles = [tuple(t) for t in itertools.product(*(grid[f] for f in ("block_m", "blocks", "num_warps", "spread")))]
+        keys = ("block_m", "blocks", "num_warps", "spread") + (("iters",) if "iters" in grid else ())
+        tiles = [tuple(t) for t in itertools.product(*(grid[f] for f in keys))]
         results["sweep"] = bench_quantize(formats=formats, tiles=[None] + tiles)
     elif args.sweep:
         grid = json.loads(args.sweep_grid)

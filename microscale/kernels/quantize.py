@@ -278,7 +278,7 @@ def quantize_kernel(
     X, DATA, SCALE, G, TABLE, M, K, n_cols, stride_xm,
     FMT: tl.constexpr, MODE: tl.constexpr, SWIZZLED: tl.constexpr, NATIVE: tl.constexpr, HW_E4M3: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, SPREAD: tl.constexpr,
-    ROTATION: tl.constexpr = 0,
+    ROTATION: tl.constexpr = 0, ITERS: tl.constexpr = 1,
 ):
     """FMT 0 = NVFP4 (compressed-tensors recipe), 1 = MXFP4, 2 = MXFP8; MODE = _SCALE_MODE_CODE.
 
@@ -294,21 +294,50 @@ def quantize_kernel(
     interpreter): MXFP8 elements through the hardware float8 conversion, else integer arithmetic.
     ROTATION (16 or 32, 0 for none): quantize x R instead of x (_hadamard_rotate, right after the
     load; without data movement where a thread holds whole blocks, i.e. not SPREAD).
+    ITERS: row blocks per program, one after the other, each loaded while the one before is quantized.
     """
-    C: tl.constexpr = BLOCK // VEC
     cols = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = tl.program_id(0) * (ITERS * BLOCK_M)
+    x = _load_tile(X, row0, cols, M, K, stride_xm, True, BLOCK, VEC, BLOCK_M, BLOCKS, SPREAD)
+    for it in range(ITERS):
+        # the next row block's load is issued before this one's arithmetic (none after the last)
+        x_next = _load_tile(X, row0 + (it + 1) * BLOCK_M, cols, M, K, stride_xm, it + 1 < ITERS,
+                            BLOCK, VEC, BLOCK_M, BLOCKS, SPREAD)
+        _quantize_tile(x, DATA, SCALE, G, TABLE, row0 + it * BLOCK_M, cols, M, n_cols, FMT, MODE, SWIZZLED, NATIVE,
+                       HW_E4M3, BLOCK, VEC, BLOCK_M, BLOCKS, SPREAD, ROTATION)
+        x = x_next
+
+
+@triton.jit
+def _load_tile(X, row0, cols, M, K, stride_xm, ok, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCKS: tl.constexpr, SPREAD: tl.constexpr):
+    """x of rows row0 .. row0 + BLOCK_M - 1 and blocks `cols` as float32 [BLOCKS, BLOCK_M, C, VEC] (zeros
+    outside x, and everywhere when not ok)."""
+    C: tl.constexpr = BLOCK // VEC
+    rows = row0 + tl.arange(0, BLOCK_M)
     chunk = tl.arange(0, C)
     e = tl.arange(0, VEC)
     if SPREAD:  # load as (c, j, m, e): lanes run along the 16-byte chunks of a row
         ks = (cols * BLOCK)[None, :, None, None] + (chunk * VEC)[:, None, None, None] + e[None, None, None, :]
         r4 = rows[None, None, :, None]
-        x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0)
-        x = tl.permute(x, (1, 2, 0, 3)).to(tl.float32)
+        x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K) & ok, other=0.0)
+        return tl.permute(x, (1, 2, 0, 3)).to(tl.float32)
     else:
         ks = (cols * BLOCK)[:, None, None, None] + (chunk * VEC)[None, None, :, None] + e[None, None, None, :]
         r4 = rows[None, :, None, None]
-        x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0).to(tl.float32)
+        return tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K) & ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quantize_tile(x, DATA, SCALE, G, TABLE, row0, cols, M, n_cols,
+                   FMT: tl.constexpr, MODE: tl.constexpr, SWIZZLED: tl.constexpr, NATIVE: tl.constexpr,
+                   HW_E4M3: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCKS: tl.constexpr, SPREAD: tl.constexpr, ROTATION: tl.constexpr):
+    """Codes and scales of the tile x (quantize_kernel's docstring) written to DATA and SCALE."""
+    C: tl.constexpr = BLOCK // VEC
+    rows = row0 + tl.arange(0, BLOCK_M)
+    chunk = tl.arange(0, C)
+    e = tl.arange(0, VEC)
     if ROTATION:
         x = _hadamard_rotate(x, ROTATION)
     amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BLOCKS, BLOCK_M]
@@ -437,7 +466,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
     Same result as `quant.quantize(x, fmt, recipe="compressed-tensors", scale_mode=..., global_scale=...,
     scale_layout=...)`. NVFP4's global scale (encode, 448*6/amax) is computed on the GPU when not
     given (one more pass over x); a given tensor is used as is (not checked, to avoid a host
-    synchronization). config: (BLOCK_M, BLOCKS, num_warps, SPREAD), for tuning; TILE's (ROTATED_TILE's
+    synchronization). config: (BLOCK_M, BLOCKS, num_warps, SPREAD[, ITERS]), for tuning; TILE's (ROTATED_TILE's
     with a rotation) by default.
 
     rotation: b (16 or 32, dividing the format's block and K) quantizes x R instead, R the block-wise
@@ -480,8 +509,9 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
         nvfp4_divisor_table_kernel[(1,)](g, amax if amax is not None else g, table, G_FROM_AMAX=amax is not None,
                                          num_warps=4)
 
-    block_m, blocks, warps, spread = config or (ROTATED_TILE if rotation else TILE)[spec.name]
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n_cols, blocks))
+    block_m, blocks, warps, spread, *iters = config or (ROTATED_TILE if rotation else TILE)[spec.name]
+    iters = iters[0] if iters else 1
+    grid = (triton.cdiv(m, block_m * iters), triton.cdiv(n_cols, blocks))
     fmt_code = 0 if spec.global_scale else (1 if spec.packed else 2)
     word = data.view(torch.uint8) if not spec.packed else data.view(torch.int32 if vec == 8 else torch.int16)
     quantize_kernel[grid](
@@ -490,7 +520,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
         FMT=fmt_code, MODE=_SCALE_MODE_CODE[ScaleMode(scale_mode)], SWIZZLED=scale_layout == "swizzled",
         NATIVE=not _interpreted(), HW_E4M3=fmt_code == 2 and _hardware_e4m3(x.device),
         BLOCK=spec.block, VEC=vec, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=rotation or 0,
-        num_warps=warps,
+        ITERS=iters, num_warps=warps,
     )
     return QTensor(data=data, scale=scale.view(spec.scale_dtype), fmt=spec, shape=(m, k),
                    global_scale=None if g is None else g.reshape(()), scale_layout=scale_layout,

@@ -56,20 +56,22 @@ def assert_bit_identical(a, r):
     assert a.shape == r.shape and a.scale_layout == r.scale_layout
 
 
-def _run_cases(device, shapes, dtypes, seed, interpreted=False, cases=CASES):
-    from microscale.kernels.quantize import quantize_gpu
+def _run_cases(device, shapes, dtypes, seed, interpreted=False, cases=CASES, iters=None):
+    """iters: the default tile with that many row blocks per program (quantize_kernel's ITERS)."""
+    from microscale.kernels.quantize import TILE, quantize_gpu
     for fmt, mode in cases:
         for dtype in dtypes:
             for m, k in shapes:
                 # the interpreter converts bf16 to float32 with subnormals flushed (the GPU does not)
                 x = make_input(m, k, dtype, seed, device, subnormals=not (interpreted and dtype == torch.bfloat16))
                 kw = {} if fmt == "nvfp4" else {"scale_mode": mode}
+                tile = {"config": (*TILE[fmt], iters)} if iters else {}
                 for layout in ("linear", "swizzled"):
-                    assert_bit_identical(quantize_gpu(x, fmt, scale_layout=layout, **kw),
+                    assert_bit_identical(quantize_gpu(x, fmt, scale_layout=layout, **kw, **tile),
                                          quantize(x, fmt, scale_layout=layout, **kw))
                 if fmt == "nvfp4":  # a given global scale
-                    assert_bit_identical(quantize_gpu(x, fmt, global_scale=3.5), quantize(x, fmt, global_scale=3.5,
-                                                                                          scale_layout="swizzled"))
+                    assert_bit_identical(quantize_gpu(x, fmt, global_scale=3.5, **tile),
+                                         quantize(x, fmt, global_scale=3.5, scale_layout="swizzled"))
 
 
 # E2M1 decision points: a quotient rounds up past each of these (float32 midpoints next to the
@@ -131,6 +133,7 @@ import torch
 from tests.kernels.test_quantize_kernel import _run_cases, _run_division_cases
 _run_cases("cpu", [(5, 40), (33, 96)], [torch.bfloat16, torch.float32], {seed}, interpreted=True)
 _run_division_cases("cpu", 1 << 10, 16, {seed})
+_run_cases("cpu", [(37, 96)], [torch.float32], {seed}, interpreted=True, iters=3)  # row blocks per program
 print("ok")
 """
 
@@ -147,6 +150,15 @@ def test_quantize_kernel_interpreted(seed):
 @pytest.mark.parametrize("case", CASES, ids=[f"{f}-{m.value}" for f, m in CASES])
 def test_quantize_kernel_gpu(case, dtype, seed):
     _run_cases("cuda", [(1, 16), (5, 40), (130, 200), (257, 1056)], [dtype], seed, cases=[case])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("iters", [2, 3])
+@pytest.mark.parametrize("case", CASES[:4], ids=[f"{f}-{m.value}" for f, m in CASES[:4]])
+def test_quantize_kernel_gpu_row_blocks_per_program(case, iters, seed):
+    """Programs that quantize several row blocks, the next one loaded during the current one's
+    arithmetic: row counts that leave the last program's later blocks partly or wholly past M."""
+    _run_cases("cuda", [(1, 16), (130, 200), (257, 1056)], [torch.bfloat16], seed, cases=[case], iters=iters)
 
 
 @pytest.mark.gpu
