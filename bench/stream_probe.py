@@ -69,14 +69,15 @@ def wave_fill(m, n, k=8192):
     copies = gemm._copies(lambda: tuple(t.clone() for t in prep), nbytes)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     us = gemm._time_graph(lambda p: launch.decode_gemm(x, *p, None, 0, n, k), copies)
+    # the grid decode_gemm launched: its split rule, with the residency it cached for this tile
     cfg = launch.decode_config(m, n, 0)
-    resident = launch._RESIDENT[next(key for key in launch._RESIDENT if key[1] and dict(key[1])["BMX"] == cfg.block_m
-                                     and dict(key[1])["R"] == cfg.reps)]
+    resident = next(v for key, v in launch._RESIDENT.items()
+                    if dict(key[1])["BMX"] == cfg.block_m and dict(key[1])["R"] == cfg.reps)
+    sms = launch._sm_count(0)
     tiles = n // cfg.block_n
-    split = launch._split_for(cfg, tiles, k // 64 // cfg.unroll // 4, torch.cuda.get_device_properties(0).multi_processor_count,
-                              resident)
+    split = launch._split_for(cfg, tiles, k // 64 // cfg.unroll // 4, sms, resident)
     return {"op": "wave fill", "M": m, "N": n, "K": k, "us": us, "tbps": nbytes / us / 1e6, "programs": tiles * split,
-            "wave_fill": tiles * split / (resident * torch.cuda.get_device_properties(0).multi_processor_count)}
+            "wave_fill": tiles * split / (resident * sms)}
 
 
 def main():
