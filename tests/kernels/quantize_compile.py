@@ -32,12 +32,17 @@ def compile_quantize_kernel(fmt, tile, hw_e4m3=True, rotation=0, cc=90):
     return compile_kernel(qk.quantize_kernel, signature, constexprs, QUANTIZE_ALIGNED, warps, cc), spread
 
 
-def sass_opcodes(compiled, tmp_path) -> set:
-    """The SASS opcodes of a compiled kernel, asserting it uses no local memory (spills)."""
+def sass_instructions(compiled, tmp_path) -> list:
+    """The SASS opcodes of a compiled kernel in program order, asserting it uses no local memory (spills)."""
     cubin = tmp_path / f"{compiled.name}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    opcodes = set(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass))
-    assert not any(o.startswith(("LDL", "STL")) for o in opcodes), f"{compiled.name}: local memory (spills)"
-    return opcodes
+    ops = re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
+    assert not any(o.startswith(("LDL", "STL")) for o in ops), f"{compiled.name}: local memory (spills)"
+    return ops
+
+
+def sass_opcodes(compiled, tmp_path) -> set:
+    """The set of SASS opcodes of a compiled kernel (no local memory, as sass_instructions)."""
+    return set(sass_instructions(compiled, tmp_path))

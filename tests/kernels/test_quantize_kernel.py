@@ -195,6 +195,23 @@ def test_quantize_kernel_sass_sm90(fmt, tmp_path):
         assert any(o.startswith("F2FP.SATFINITE.E4M3") for o in ops)
 
 
+# Instructions up to the last EXIT (the hot path, without the cold division subroutine after it) of
+# the FP4 tiles compiled for sm_90: the kernels are bound by instruction issue (docs/hopper.md), and
+# the E2M1 step in inline PTX took them from 745 (NVFP4) and 551 (MXFP4) to 676 and 498.
+FP4_HOT_PATH_LIMIT = {"nvfp4": 690, "mxfp4": 510}
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_quantize_kernel_hot_path_length_sm90(fmt, tmp_path):
+    from quantize_compile import compile_quantize_kernel, sass_instructions
+
+    from microscale.kernels import quantize as qk
+
+    ops = sass_instructions(compile_quantize_kernel(fmt, qk.TILE)[0], tmp_path)
+    hot = len(ops) - ops[::-1].index("EXIT")
+    assert hot <= FP4_HOT_PATH_LIMIT[fmt], f"{fmt}: {hot} SASS instructions in the hot path"
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_quantize_kernel_compiles_for_sm80(fmt, monkeypatch):
     """A100 (sm_80) has no float8 conversion and Triton refuses float8e4nv casts there: quantize_gpu
