@@ -76,8 +76,12 @@ from .dispatch import compute_capability
 
 _SCALE_MODE_CODE = {ScaleMode.FLOOR: 0, ScaleMode.RCEIL: 1, ScaleMode.CEIL: 2, ScaleMode.EVEN: 3}
 
-ROUND_BITS = 0x4AC00000  # float32 bits of 1.5 * 2**22: adding it rounds to a multiple of 0.5
-CODE_BIAS = ROUND_BITS - (127 << 23) + 2 * 127  # see _e2m1_code_biased
+# _e2m1_code_biased's constants (ints here; tl.constexpr below): c = (e << 23) + ROUND_OFFSET is
+# 1.5 * 2**(22 + e - 127) (0x4AC00000 = bits of 1.5 * 2**22 at e = 127), and bits(q + c) +
+# e * STEP_FACTOR is the E2M1 code plus CODE_BIAS
+ROUND_OFFSET = 0x4AC00000 - (127 << 23)
+STEP_FACTOR = 2 - (1 << 23)
+CODE_BIAS = ROUND_OFFSET + 2 * 127
 
 
 def _int32(v: int) -> int:
@@ -88,7 +92,7 @@ def _int32(v: int) -> int:
 
 # CODE_BIAS in every nibble of a word of 8 (int32) or 4 (int16) codes
 WORD_BIAS_8, WORD_BIAS_4 = tl.constexpr(_int32(CODE_BIAS * 0x11111111)), tl.constexpr(_int32(CODE_BIAS * 0x1111))
-ROUND_BITS = tl.constexpr(ROUND_BITS)
+ROUND_OFFSET, STEP_FACTOR = tl.constexpr(ROUND_OFFSET), tl.constexpr(STEP_FACTOR)
 NVFP4_ZERO_SCALE = tl.constexpr(0.125)  # compressed-tensors replaces a zero block scale by this
 NVFP4_ZERO_SCALE_BITS = tl.constexpr(0x20)  # its E4M3 code
 GLOBAL_NUMERATOR = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)
@@ -110,8 +114,8 @@ def _e2m1_code_biased(q, neg):
     code = bits(q + c) - c + 2 * j = bits(q + c) + e * (2 - 2**23) - CODE_BIAS.
     """
     e = tl.maximum(q.to(tl.int32, bitcast=True) >> 23, 127)
-    c = (e << 23) + (ROUND_BITS - (127 << 23))
-    return (q + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) + e * (2 - (1 << 23)) + tl.where(neg, 8, 0)
+    c = (e << 23) + ROUND_OFFSET
+    return (q + c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) + e * STEP_FACTOR + tl.where(neg, 8, 0)
 
 
 # _e2m1_nibble on the GPU: _e2m1_code_biased's arithmetic, the sign test and the shift as PTX
@@ -124,9 +128,9 @@ _E2M1_NIBBLE_ASM = tl.constexpr(f"""{{
 .reg .pred p;
 shr.u32 e, $1, 23;
 max.u32 e, e, 127;
-mad.lo.u32 c, e, {1 << 23}, {ROUND_BITS.value - (127 << 23)};
+mad.lo.u32 c, e, {1 << 23}, {ROUND_OFFSET.value};
 add.rn.f32 $0, $1, c;
-mad.lo.u32 $0, e, {(2 - (1 << 23)) & 0xFFFFFFFF}, $0;
+mad.lo.u32 $0, e, {STEP_FACTOR.value & 0xFFFFFFFF}, $0;
 setp.gt.u32 p, $2, $3;
 @p add.u32 $0, $0, 8;
 shl.b32 $0, $0, $4;
