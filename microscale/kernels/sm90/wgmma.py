@@ -36,17 +36,17 @@ def _copy_x(x_smem, x_ptr, x_row_ok, x_k, step, k_end, K):
 
 
 @gluon.jit
-def _step(acc, tile, step, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT: gl.constexpr, NW: gl.constexpr,
-          a_regs: gl.constexpr):
+def _step(acc, tile, step, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT: gl.constexpr, NW: gl.constexpr,
+          a_regs: gl.constexpr, a_wgmma: gl.constexpr):
     """acc += W tile @ x tile^T for one K step, the weight tile already loaded into registers."""
     _copy_x(x_smem, x_ptr, x_row_ok, x_k, step + X_AHEAD, k_end, K)
     w, s = tile
     a = gl.convert_layout(_dequant_tile(w, s, FMT, NW, 1), a_regs, assert_trivial=True)
-    w_smem.index(step % STAGES).store(_to_physical_k(a, NW * ROW_GROUP, 1))
+    a = gl.convert_layout(_to_physical_k(a, NW * ROW_GROUP, 1), a_wgmma)
     async_copy.wait_group(X_AHEAD)  # this thread's copies of the step's x tile have landed
     fence_async_shared()
-    gl.thread_barrier()  # every warp's part of both tiles is in shared memory
-    acc = warpgroup_mma(w_smem.index(step % STAGES), x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
+    gl.thread_barrier()  # every warp's part of the x tile is in shared memory
+    acc = warpgroup_mma(a, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
     return warpgroup_mma_wait(1, deps=[acc])
 
 
@@ -60,6 +60,7 @@ def wgmma_gemm_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
     v2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     a_regs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=v2, k_width=8)
+    a_wgmma: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -76,7 +77,6 @@ def wgmma_gemm_kernel(
     x_ptr = X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :]
     x_row_ok = (x_m < M)[:, None]
 
-    w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, K_STEP], tile_smem)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, K_STEP], tile_smem)
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
 
@@ -93,12 +93,12 @@ def wgmma_gemm_kernel(
         step = k_begin + i * DEPTH
         for j in gl.static_range(DEPTH):
             nxt = _load_w(W_base, w_off, S_base, s_off, gl.minimum(step + j + DEPTH, k_end - 1), FMT)
-            acc = _step(acc, tiles[0], step + j, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT, NW, a_regs)
+            acc = _step(acc, tiles[0], step + j, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT, NW, a_regs, a_wgmma)
             tiles = tiles[1:] + (nxt,)
     step = k_begin + (n_steps // DEPTH) * DEPTH
     for j in gl.static_range(DEPTH - 1):
         if j < n_steps % DEPTH:
-            acc = _step(acc, tiles[j], step + j, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT, NW, a_regs)
+            acc = _step(acc, tiles[j], step + j, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT, NW, a_regs, a_wgmma)
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
