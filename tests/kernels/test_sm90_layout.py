@@ -324,3 +324,13 @@ def test_decode_config_tiles_fit_the_padded_rows(fmt):
             if m <= 8:
                 assert cfg.reps == (2 if 1 < m and n >= 8192 and fmt != "mxfp8" else 1), (m, n, cfg)
                 assert cfg.depth == (3 if 1 < m and fmt == "mxfp8" else 2), (m, n, cfg)
+
+
+def test_dequant_chunk_rows_rule():
+    from microscale.kernels.sm90.launch import dequant_chunk_rows
+
+    # about 4M outputs per chunk's GEMM, in multiples of 256 rows, and at least 4 chunks
+    assert dequant_chunk_rows(2048, 8192) == 2048 and dequant_chunk_rows(4096, 28672) == 1024
+    assert dequant_chunk_rows(8192, 8192) == 512 and dequant_chunk_rows(100000, 8192) == 256
+    assert dequant_chunk_rows(1024, 8192) == 0 and dequant_chunk_rows(2048, 4096) == 0
+    assert dequant_chunk_rows(4096, 4096) == 1024

@@ -2,8 +2,8 @@
 
     decode_gemm    M <= 64: weights dequantized in registers into mma.sync (decode.py)
     wgmma_gemm     larger M: weights dequantized per K step into shared memory, wgmma (wgmma.py)
-    dequant_gemm   large M: dequantize W into a workspace in x's dtype, then one cuBLAS GEMM (a
-                   chunk-wise variant through an L2-sized workspace measured slower: BENCHMARKS.md)
+    dequant_gemm   large M: dequantize W in x's dtype chunk by chunk, each chunk's cuBLAS GEMM
+                   running while the next chunk is dequantized on a side stream
     fp8_gemm       large M, opt-in (MX formats): weights transcoded to E4M3 with a per-row power of
                    two (once per weight, cached), activations quantized per row to E4M3,
                    torch._scaled_mm (cuBLAS FP8)
@@ -210,10 +210,20 @@ class DequantConfig:
     unroll: int = 2
 
 
+def dequant_config(fmt_code: int, rows: int, kt: int) -> DequantConfig:
+    """From the sweep on the H200 (bench/dequant_probe.py): one 128 x 64 tile of 8 warps per program
+    (FP4 2.6-2.8 TB/s against 2.1 for 4 warps by 128 K); MXFP8 with 256 x 256 tiles where they divide
+    the weight (3.1-3.2 TB/s, against 2.9-3.0 for the 128 x 64 tile)."""
+    if fmt_code == 2 and rows % 256 == 0 and kt % 4 == 0:
+        return DequantConfig(num_warps=8, reps=2, unroll=4)
+    return DequantConfig(num_warps=8, reps=1, unroll=1)
+
+
 def dequantize_rows(data, scale, row_mult, fmt_code: int, n0: int, rows: int, kp: int, out: torch.Tensor,
-                    cfg: DequantConfig = DequantConfig()):
+                    cfg: DequantConfig = None):
     """out[:rows, :kp] = W[n0 : n0+rows] in out's dtype (rows a multiple of the tile's)."""
     kt = kp // K_STEP
+    cfg = cfg or dequant_config(fmt_code, rows, kt)
     rg0 = n0 // ROW_GROUP
     tile_rows = ROW_GROUP * cfg.num_warps * cfg.reps
     if rows % tile_rows or kt % cfg.unroll:
@@ -225,31 +235,67 @@ def dequantize_rows(data, scale, row_mult, fmt_code: int, n0: int, rows: int, kp
     )
 
 
-def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, chunk_rows: int = 0,
-                 workspace=None, cfg: DequantConfig = DequantConfig()):
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    """One extra stream per device, on which dequant_gemm dequantizes the next chunk."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def dequant_chunk_rows(m: int, np_: int) -> int:
+    """Weight rows per chunk for dequant_gemm: about 4M output elements per chunk's GEMM (one wave of
+    128 x 256 cuBLAS tiles on 132 SMs), a multiple of 256; 0 (the whole weight at once) when that
+    makes fewer than 4 chunks. On the H200 (bench/dequant_probe.py) chunks of this size run as fast
+    as the whole weight at once, within run-to-run noise, in a fraction of its workspace."""
+    rows = max(256, (1 << 22) // max(m, 1) // 256 * 256)
+    return 0 if 4 * rows > np_ else rows
+
+
+def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, chunk_rows: int = None,
+                 workspace=None, cfg: DequantConfig = None):
     """y = x @ W^T (+ bias) through cuBLAS on W dequantized to x's dtype.
 
-    chunk_rows = 0 dequantizes all of W into one workspace, then one GEMM. Otherwise W goes
-    chunk_rows rows at a time through a workspace small enough to stay in L2, each chunk giving rows
-    of y^T (contiguous), transposed once at the end.
+    chunk_rows = 0 dequantizes all of W into one workspace, then runs one GEMM. Otherwise (None:
+    dequant_chunk_rows) W goes chunk_rows rows at a time through two workspaces: chunk i + 1 is
+    dequantized on a side stream while the GEMM of chunk i runs, and each chunk's GEMM writes its
+    columns of y in place (cuBLAS takes y's row stride). The workspaces take 2 x chunk_rows rows
+    instead of all of W (28672 x 8192 at M = 4096: 32 MB instead of 470 MB).
     """
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
+    chunk_rows = dequant_chunk_rows(m, np_) if chunk_rows is None else chunk_rows
     if not chunk_rows or chunk_rows >= np_:
         ws = torch.empty(np_, kp, dtype=x.dtype, device=x.device) if workspace is None else workspace
         dequantize_rows(data, scale, row_mult, fmt_code, 0, np_, kp, ws, cfg)
         y = torch.mm(x, ws[:n, :k].t()) if bias is None else torch.addmm(bias.to(x.dtype), x, ws[:n, :k].t())
         return y
-    ws = torch.empty(chunk_rows, kp, dtype=x.dtype, device=x.device)
-    yt = torch.empty(n, m, dtype=x.dtype, device=x.device)
-    for n0 in range(0, n, chunk_rows):
-        rows = min(chunk_rows, np_ - n0)
-        dequantize_rows(data, scale, row_mult, fmt_code, n0, rows, kp, ws, cfg)
+    bias = bias.to(x.dtype) if bias is not None else None
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    workspaces = [torch.empty(chunk_rows, kp, dtype=x.dtype, device=x.device) for _ in range(2)]
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)  # x, W and the workspaces are ready
+    read = [None, None]  # the event after the GEMM that last read each workspace
+    for i, n0 in enumerate(range(0, n, chunk_rows)):
+        ws = workspaces[i % 2]
+        with torch.cuda.stream(side):
+            if read[i % 2] is not None:
+                side.wait_event(read[i % 2])
+            dequantize_rows(data, scale, row_mult, fmt_code, n0, min(chunk_rows, np_ - n0), kp, ws, cfg)
+            written = torch.cuda.Event()
+            written.record(side)
+        main.wait_event(written)
         cols = min(chunk_rows, n - n0)
-        torch.mm(ws[:cols, :k], x.t(), out=yt[n0:n0 + cols])
-    y = yt.t().contiguous()
-    if bias is not None:
-        y += bias.to(y.dtype)
+        if bias is None:
+            torch.mm(x, ws[:cols, :k].t(), out=y[:, n0:n0 + cols])
+        else:
+            torch.addmm(bias[n0:n0 + cols], x, ws[:cols, :k].t(), out=y[:, n0:n0 + cols])
+        read[i % 2] = torch.cuda.Event()
+        read[i % 2].record(main)
+    main.wait_stream(side)
     return y
 
 
