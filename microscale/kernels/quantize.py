@@ -147,6 +147,23 @@ def _e2m1_nibble(q, x_bits, threshold, shift, NATIVE: tl.constexpr):
     return _e2m1_code_biased(q, x_bits > threshold) << shift
 
 
+# max(|a|, |b|) of each bf16 half of two words (the sign of the result is not used); sm_86+
+_BF16X2_ABS_MAX = tl.constexpr("max.xorsign.abs.bf16x2 $0, $1, $2;")
+
+
+@triton.jit
+def _halve_abs_max(w, N: tl.constexpr):
+    """[A, B, N] words of bf16 pairs -> [A, B, N // 2]: adjacent words combined by _BF16X2_ABS_MAX."""
+    a, b = tl.split(tl.reshape(w, (w.shape[0], w.shape[1], N // 2, 2)))
+    return tl.inline_asm_elementwise(_BF16X2_ABS_MAX, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_words_to_float(w):
+    """int32 words of two bf16 each [..., n] -> float32 [..., n, 2] (the low half first: even K)."""
+    return tl.join((w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True))
+
+
 @triton.jit
 def _e4m3_bits(v):
     """float32 with |v| <= 448 -> E4M3 bits (int32), round to nearest even, as codec.e4m3_encode.
@@ -313,7 +330,7 @@ def quantize_kernel(
     X, DATA, SCALE, G, TABLE, M, K, n_cols, stride_xm,
     FMT: tl.constexpr, MODE: tl.constexpr, SWIZZLED: tl.constexpr, NATIVE: tl.constexpr, HW_E4M3: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, SPREAD: tl.constexpr,
-    ROTATION: tl.constexpr = 0,
+    ROTATION: tl.constexpr = 0, BF16_WORDS: tl.constexpr = False,
 ):
     """FMT 0 = NVFP4 (compressed-tensors recipe), 1 = MXFP4, 2 = MXFP8; MODE = _SCALE_MODE_CODE.
 
@@ -340,13 +357,27 @@ def quantize_kernel(
         r4 = rows[None, None, :, None]
         x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0)
         x = tl.permute(x, (1, 2, 0, 3)).to(tl.float32)
+    elif BF16_WORDS:  # X is bf16 read as int32 words (K even): unpacked and maximized with bit operations
+        kw = (cols * (BLOCK // 2))[:, None, None, None] + (chunk * (VEC // 2))[None, None, :, None] \
+            + tl.arange(0, VEC // 2)[None, None, None, :]
+        r4 = rows[None, :, None, None]
+        words = tl.load(X + r4.to(tl.int64) * stride_xm + kw, mask=(r4 < M) & (kw < K // 2), other=0)
+        x = tl.reshape(_bf16_words_to_float(words), (BLOCKS, BLOCK_M, C, VEC))
     else:
         ks = (cols * BLOCK)[:, None, None, None] + (chunk * VEC)[None, None, :, None] + e[None, None, None, :]
         r4 = rows[None, :, None, None]
         x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0).to(tl.float32)
     if ROTATION:
         x = _hadamard_rotate(x, ROTATION)
-    amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BLOCKS, BLOCK_M]
+    if BF16_WORDS:  # the block maximum two elements per instruction, then of the last word's halves
+        w = _halve_abs_max(tl.reshape(words, (BLOCKS, BLOCK_M, BLOCK // 2)), BLOCK // 2)
+        w = _halve_abs_max(w, BLOCK // 4)
+        w = _halve_abs_max(w, BLOCK // 8)
+        if BLOCK == 32:
+            w = _halve_abs_max(w, 2)
+        amax = tl.max(tl.abs(tl.reshape(_bf16_words_to_float(w), (BLOCKS, BLOCK_M, 2))), axis=2)  # [BLOCKS, BLOCK_M]
+    else:
+        amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BLOCKS, BLOCK_M]
 
     # Per block: the scale code, and what dividing by the block's divisor d takes (x / d is the
     # element before rounding): a power of two p, -d * p, RN(1 / (d * p)) and the sign threshold.
@@ -399,7 +430,14 @@ def quantize_kernel(
             else:
                 a = tl.div_rn(a, -neg_dd)
         shift = (4 * e)[None, None, None, :]  # code of element e -> nibble e (low nibble = even K)
-        codes = _e2m1_nibble(a, x.to(tl.uint32, bitcast=True), threshold[:, :, None, None], shift, NATIVE)
+        threshold = threshold[:, :, None, None]
+        if BF16_WORDS:  # an odd element's bits are its word's high half: word > T | 0xFFFF exactly when they > T
+            x_bits = tl.reshape(tl.join(words << 16, words), (BLOCKS, BLOCK_M, C, VEC)).to(tl.uint32, bitcast=True)
+            threshold = tl.reshape(tl.join(threshold, threshold | 0xFFFF), (BLOCKS, BLOCK_M, 1, 2))
+            threshold = tl.reshape(tl.broadcast_to(threshold, (BLOCKS, BLOCK_M, VEC // 2, 2)), (BLOCKS, BLOCK_M, 1, VEC))
+        else:
+            x_bits = x.to(tl.uint32, bitcast=True)
+        codes = _e2m1_nibble(a, x_bits, threshold, shift, NATIVE)
         words = tl.sum(codes, axis=3) - (WORD_BIAS_8 if VEC == 8 else WORD_BIAS_4)  # [BLOCKS, BLOCK_M, C]
         if VEC == 4:
             words = words.to(tl.int16)
@@ -516,15 +554,20 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
 
     block_m, blocks, warps, spread = config or (ROTATED_TILE if rotation else TILE)[spec.name]
     grid = (triton.cdiv(m, block_m), triton.cdiv(n_cols, blocks))
+    # bf16 rows read as int32 words where they can be (_BF16X2_ABS_MAX needs sm_86)
+    bf16_words = (x.dtype == torch.bfloat16 and k % 2 == 0 and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0
+                  and not spread and not rotation and not _interpreted()
+                  and (compute_capability(x.device) or (0, 0)) >= (8, 6))
+    xs = x.view(torch.int32) if bf16_words else x
     fmt_code = 0 if spec.global_scale else (1 if spec.packed else 2)
     word = data.view(torch.uint8) if not spec.packed else data.view(torch.int32 if vec == 8 else torch.int16)
     quantize_kernel[grid](
-        x, word, scale, g if g is not None else scale, table if table is not None else scale,
-        m, k, n_cols, x.stride(0),
+        xs, word, scale, g if g is not None else scale, table if table is not None else scale,
+        m, k, n_cols, xs.stride(0),
         FMT=fmt_code, MODE=_SCALE_MODE_CODE[ScaleMode(scale_mode)], SWIZZLED=scale_layout == "swizzled",
         NATIVE=not _interpreted(), HW_E4M3=fmt_code == 2 and _hardware_e4m3(x.device),
         BLOCK=spec.block, VEC=vec, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=rotation or 0,
-        num_warps=warps,
+        BF16_WORDS=bf16_words, num_warps=warps,
     )
     return QTensor(data=data, scale=scale.view(spec.scale_dtype), fmt=spec, shape=(m, k),
                    global_scale=None if g is None else g.reshape(()), scale_layout=scale_layout,
