@@ -7,7 +7,7 @@ Per format and shape, in one process: our kernel (the one dispatch picks), cuBLA
 torch._scaled_mm FP8 with row-wise scales, and for M <= 16 the eager "dequantize, then matmul".
 Times are per call, from CUDA-graph replays of back-to-back calls (median of 10 replays), with the
 weight buffers of every contender rotated over copies totalling more than the L2, on fresh random
-data; for M <= 64 ours and cuBLAS bf16 are timed twice, interleaved, and each keeps its faster run.
+data; ours and cuBLAS bf16 are timed twice, interleaved, and each keeps its faster run.
 The eager dequantize-then-matmul (not capturable) uses triton.testing.do_bench.
 Also: the quantize kernel (bytes read + written against the copy ceiling), the decode-kernel tile
 sweep (--sweep) and the large-M alternatives (dequant+cuBLAS full or chunked, FP8).
@@ -105,10 +105,10 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
         kernel = kernels or sm90.choose_kernel(fmt, m, opts, x.dtype, torch.cuda.get_device_capability())
         rec["backend"] = f"sm90:{kernel}"
         reps = dict(replays=10, calls=8) if m <= 64 else dict(replays=5, calls=2)  # long calls: fewer
-        # short calls: ours and cuBLAS bf16 timed twice, interleaved, each keeping its faster run, so one
+        # ours and cuBLAS bf16 timed twice, interleaved, each keeping its faster run, so one
         # slow stretch of the GPU inflates neither side of the ratio (seen once: cuBLAS 121 us, not 110)
         ours, bf16 = [], []
-        for _ in range(2 if m <= 64 else 1):
+        for _ in range(2):
             ours.append(_time_graph(lambda p: sm90.gemm(x, *p, None, fmt=fmt, n=n, k=k, options={"kernel": kernel}),
                                     preps, **reps))
             if peers:
