@@ -329,8 +329,8 @@ def test_decode_config_tiles_fit_the_padded_rows(fmt):
 def test_dequant_chunk_rows_rule():
     from microscale.kernels.sm90.launch import dequant_chunk_rows
 
-    # about 4M outputs per chunk's GEMM, in multiples of 256 rows, and at least 4 chunks
-    assert dequant_chunk_rows(2048, 8192) == 2048 and dequant_chunk_rows(4096, 28672) == 1024
-    assert dequant_chunk_rows(8192, 8192) == 512 and dequant_chunk_rows(100000, 8192) == 256
-    assert dequant_chunk_rows(1024, 8192) == 0 and dequant_chunk_rows(2048, 4096) == 0
-    assert dequant_chunk_rows(4096, 4096) == 1024
+    # about 4M outputs per chunk's GEMM, 1024 rows at least, in multiples of 256, at least 4 chunks
+    assert dequant_chunk_rows(2048, 8192, 8192) == 2048 and dequant_chunk_rows(4096, 28672, 8192) == 1024
+    assert dequant_chunk_rows(3000, 8192, 8192) == 1280 and dequant_chunk_rows(100000, 8192, 8192) == 1024
+    assert dequant_chunk_rows(1024, 8192, 8192) == 0  # 2 chunks
+    assert dequant_chunk_rows(4096, 4096, 4096) == 0 and dequant_chunk_rows(4096, 8192, 2048) == 0  # < 32M elements

@@ -246,13 +246,15 @@ def _side_stream(device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
-def dequant_chunk_rows(m: int, np_: int) -> int:
+def dequant_chunk_rows(m: int, np_: int, kp: int) -> int:
     """Weight rows per chunk for dequant_gemm: about 4M output elements per chunk's GEMM (one wave of
-    128 x 256 cuBLAS tiles on 132 SMs), a multiple of 256; 0 (the whole weight at once) when that
-    makes fewer than 4 chunks. On the H200 (bench/dequant_probe.py) chunks of this size run as fast
-    as the whole weight at once, within run-to-run noise, in a fraction of its workspace."""
-    rows = max(256, (1 << 22) // max(m, 1) // 256 * 256)
-    return 0 if 4 * rows > np_ else rows
+    128 x 256 cuBLAS tiles on 132 SMs), at least 1024 and a multiple of 256; 0 (the whole weight at
+    once) for weights under 32M elements or when that makes fewer than 4 chunks. On the H200
+    (bench/dequant_probe.py) chunks of 1024-2048 rows of the 8192 x 8192, 28672 x 8192 and
+    8192 x 28672 weights run as fast as the whole weight, within run-to-run noise, in a fraction of its
+    workspace; the 4096 x 4096 weight measured 4-8% slower in chunks (bench/gemm.py)."""
+    rows = max(1024, (1 << 22) // max(m, 1) // 256 * 256)
+    return 0 if np_ * kp < (1 << 25) or 4 * rows > np_ else rows
 
 
 def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, chunk_rows: int = None,
@@ -267,7 +269,7 @@ def dequant_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, 
     """
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
-    chunk_rows = dequant_chunk_rows(m, np_) if chunk_rows is None else chunk_rows
+    chunk_rows = dequant_chunk_rows(m, np_, kp) if chunk_rows is None else chunk_rows
     if not chunk_rows or chunk_rows >= np_:
         ws = torch.empty(np_, kp, dtype=x.dtype, device=x.device) if workspace is None else workspace
         dequantize_rows(data, scale, row_mult, fmt_code, 0, np_, kp, ws, cfg)
