@@ -2,8 +2,8 @@
 
     decode_gemm    M <= 64: weights dequantized in registers into mma.sync (decode.py)
     wgmma_gemm     larger M: weights dequantized per K step into shared memory, wgmma (wgmma.py)
-    dequant_gemm   large M: dequantize W in x's dtype chunk by chunk, each chunk's cuBLAS GEMM
-                   running while the next chunk is dequantized on a side stream
+    dequant_gemm   large M: W dequantized to x's dtype, then cuBLAS; large weights chunk by chunk,
+                   each chunk's GEMM running while the next chunk is dequantized on a side stream
     fp8_gemm       large M, opt-in (MX formats): weights transcoded to E4M3 with a per-row power of
                    two (once per weight, cached), activations quantized per row to E4M3,
                    torch._scaled_mm (cuBLAS FP8)
@@ -212,8 +212,8 @@ class DequantConfig:
 
 def dequant_config(fmt_code: int, rows: int, kt: int) -> DequantConfig:
     """From the sweep on the H200 (bench/dequant_probe.py): one 128 x 64 tile of 8 warps per program
-    (FP4 2.6-2.8 TB/s against 2.1 for 4 warps by 128 K); MXFP8 with 256 x 256 tiles where they divide
-    the weight (3.1-3.2 TB/s, against 2.9-3.0 for the 128 x 64 tile)."""
+    (FP4 2.3-2.8 TB/s against 1.9-2.1 for 4 warps by 128 K); MXFP8 with 256 x 256 tiles where they
+    divide the weight (3.1-3.2 TB/s, against 2.9-3.0 for the 128 x 64 tile)."""
     if fmt_code == 2 and rows % 256 == 0 and kt % 4 == 0:
         return DequantConfig(num_warps=8, reps=2, unroll=4)
     return DequantConfig(num_warps=8, reps=1, unroll=1)
