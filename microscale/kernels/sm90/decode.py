@@ -33,40 +33,53 @@ FMT_CODE = {"nvfp4": 0, "mxfp4": 1, "mxfp8": 2}
 _FP4_DECODE = """{{
 .reg .b32 s, t, z;
 mov.b32 z, 0x80008000;
-mad.lo.u32 s, $12, {mul}, {add};
-and.b32 $0, $4, 0x81C081C0;
-shf.l.wrap.b32 t, $4, $4, 10;
-and.b32 $1, t, 0x81C081C0;
-shf.l.wrap.b32 t, $4, $4, 13;
-and.b32 $2, t, 0x81C081C0;
-and.b32 t, $4, 0x001B001B;
+mad.lo.u32 s, {s}, {mul}, {add};
+and.b32 {o0}, {w}, 0x81C081C0;
+shf.l.wrap.b32 t, {w}, {w}, 10;
+and.b32 {o1}, t, 0x81C081C0;
+shf.l.wrap.b32 t, {w}, {w}, 13;
+and.b32 {o2}, t, 0x81C081C0;
+and.b32 t, {w}, 0x001B001B;
 mul.lo.u32 t, t, 0x1084;
-and.b32 $3, t, 0x81C081C0;
-fma.rn.bf16x2 $0, $0, s, z;
-fma.rn.bf16x2 $1, $1, s, z;
-fma.rn.bf16x2 $2, $2, s, z;
-fma.rn.bf16x2 $3, $3, s, z;
+and.b32 {o3}, t, 0x81C081C0;
+fma.rn.bf16x2 {o0}, {o0}, s, z;
+fma.rn.bf16x2 {o1}, {o1}, s, z;
+fma.rn.bf16x2 {o2}, {o2}, s, z;
+fma.rn.bf16x2 {o3}, {o3}, s, z;
 }}"""
 # E4M3 word (bytes 1, 3 | 0, 2) -> 2 bf16x2 registers holding value * 2**-120, times s' = 2**(code - 127).
-_FP8_DECODE = """{
+_FP8_DECODE = """{{
 .reg .b32 s, t, u, z;
 mov.b32 z, 0x80008000;
-mul.lo.u32 s, $6, 8388736;
-shr.u32 t, $2, 4;
+mul.lo.u32 s, {s}, 8388736;
+shr.u32 t, {w}, 4;
 and.b32 t, t, 0x07F007F0;
-and.b32 u, $2, 0x80008000;
-or.b32 $0, u, t;
-shl.b32 t, $2, 4;
+and.b32 u, {w}, 0x80008000;
+or.b32 {o0}, u, t;
+shl.b32 t, {w}, 4;
 and.b32 t, t, 0x07F007F0;
-shl.b32 u, $2, 8;
+shl.b32 u, {w}, 8;
 and.b32 u, u, 0x80008000;
-or.b32 $1, u, t;
-fma.rn.bf16x2 $0, $0, s, z;
-fma.rn.bf16x2 $1, $1, s, z;
-}"""
-_NVFP4_ASM = gl.constexpr(_FP4_DECODE.format(mul=0x00100010, add=hopper_layout.NVFP4_SCALE_BASE * 0x00010001))
-_MXFP4_ASM = gl.constexpr(_FP4_DECODE.format(mul=0x00800080, add=0))
-_MXFP8_ASM = gl.constexpr(_FP8_DECODE)
+or.b32 {o1}, u, t;
+fma.rn.bf16x2 {o0}, {o0}, s, z;
+fma.rn.bf16x2 {o1}, {o1}, s, z;
+}}"""
+
+
+def decode_ptx(fmt_code: int, operands: dict) -> str:
+    """The decode routine of a format as PTX, its operands named by `operands`: o0..o3 (FP4) or o0, o1
+    (MXFP8) the bf16x2 outputs, w the word, s the block's scale code. The Triton kernels here and the
+    CUDA kernel of wgmma_ws.py use the same routine."""
+    if fmt_code == FMT_CODE["mxfp8"]:
+        return _FP8_DECODE.format(**operands)
+    mul, add = (0x00100010, hopper_layout.NVFP4_SCALE_BASE * 0x00010001) if fmt_code == FMT_CODE["nvfp4"] else (0x00800080, 0)
+    return _FP4_DECODE.format(mul=mul, add=add, **operands)
+
+
+# inline_asm_elementwise operands: pack 8 (FP4) or 4 (FP8) copies of the word, then of the scale
+_NVFP4_ASM = gl.constexpr(decode_ptx(0, dict(o0="$0", o1="$1", o2="$2", o3="$3", w="$4", s="$12")))
+_MXFP4_ASM = gl.constexpr(decode_ptx(1, dict(o0="$0", o1="$1", o2="$2", o3="$3", w="$4", s="$12")))
+_MXFP8_ASM = gl.constexpr(decode_ptx(2, dict(o0="$0", o1="$1", w="$2", s="$6")))
 
 
 @gluon.constexpr_function

@@ -1,0 +1,148 @@
+"""Host side of the warp-specialized dequantize + wgmma GEMM (wgmma_ws.cuh), for large M on sm_90a.
+
+The kernel is CUDA C++ compiled at run time by NVRTC (kernels/sm100/nvrtc.py: cubins cached on disk)
+because it needs what Triton's Gluon did not give the kernel of wgmma.py: a producer warp feeding a
+shared-memory ring by TMA while two warpgroups decode and keep their wgmmas in flight. The source is
+completed here: the decode routines come from decode.py (one PTX text for every kernel) and the
+wgmma wrappers, whose 64-128 accumulator operands are tedious to write by hand, are generated.
+
+x's tensor map (128 bytes, in global memory) is cached per address and shape, so a call with the same
+buffers (CUDA-graph replays) makes no host-to-device copy.
+"""
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..sm100 import nvrtc
+from . import decode
+from .layout import K_STEP, padded_shape
+
+SOURCE_PATH = Path(__file__).with_name("wgmma_ws.cuh")
+ARCH = "sm_90a"
+ROWS = 128  # weight rows per CTA
+THREADS = 288
+SMEM_LIMIT = 227 * 1024
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    block_m: int = 256  # activation rows per CTA: the wgmma's N (64, 128 or 256)
+    stages: int = 0  # ring depth; 0 = as many as fit
+
+    def smem_bytes(self, fmt_code: int) -> int:
+        return _smem_bytes(fmt_code, self.block_m, self.stages or max_stages(fmt_code, self.block_m))
+
+
+def _smem_bytes(fmt_code: int, block_m: int, stages: int) -> int:
+    """Smem<FMT, BM, STAGES>::BYTES of the kernel source."""
+    data, scale = (1024 if fmt_code == 2 else 512), (64 if fmt_code == 0 else 32)
+    stage = block_m * 128 + 8 * data + 8 * scale
+    return stages * stage + 4 * 64 * 128 + 16 * stages + 1024
+
+
+def max_stages(fmt_code: int, block_m: int) -> int:
+    stages = 2
+    while stages < 8 and _smem_bytes(fmt_code, block_m, stages + 1) <= SMEM_LIMIT:
+        stages += 1
+    return stages
+
+
+def _wgmma_wrapper(n: int) -> str:
+    regs = n // 2
+    outs = ", ".join(f"%{i}" for i in range(regs))
+    operands = ", ".join(f'"+f"(acc[{i}])' for i in range(regs))
+    ptx = (f"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{regs + 2}, 0;\\n"
+           f" wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}")
+    return (f"template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float (&acc)[{regs}], u64 a, u64 b, u32 accumulate) {{\n"
+            f'  asm volatile("{ptx}"\n      : {operands}\n      : "l"(a), "l"(b), "r"(accumulate));\n}}\n')
+
+
+def _decode_function(name: str, fmt_code: int) -> str:
+    outs = 2 if fmt_code == 2 else 4
+    operands = {f"o{i}": f"%{i}" for i in range(outs)} | {"w": f"%{outs}", "s": f"%{outs + 1}"}
+    ptx = json.dumps(decode.decode_ptx(fmt_code, operands))  # a valid C string literal
+    results = ", ".join(f'"=r"(r[{i}])' for i in range(outs))
+    return (f"__device__ __forceinline__ void {name}(u32 w, u32 s, u32 (&r)[{outs}]) {{\n"
+            f"  asm({ptx}\n      : {results} : \"r\"(w), \"r\"(s));\n}}\n")
+
+
+def source() -> str:
+    generated = ["template <int N> __device__ __forceinline__ void wgmma_bf16(float (&acc)[N / 2], u64 a, u64 b, u32 accumulate);"]
+    generated += [_wgmma_wrapper(n) for n in (64, 128, 256)]
+    generated += [_decode_function(name, code) for name, code in
+                  (("decode_nvfp4", 0), ("decode_mxfp4", 1), ("decode_fp8", 2))]
+    return SOURCE_PATH.read_text().replace("// @GENERATED@", "\n".join(generated))
+
+
+def name_expression(fmt_code: int, cfg: WsConfig) -> str:
+    return f"ms90::wgmma_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.stages or max_stages(fmt_code, cfg.block_m)}>"
+
+
+@lru_cache(maxsize=None)
+def _compiled(names: tuple) -> nvrtc.CompiledKernels:
+    return nvrtc.compile_kernels(names, arch=ARCH, source=source())
+
+
+def compile_all(fmts=(0, 1, 2), configs=(WsConfig(),)) -> nvrtc.CompiledKernels:
+    return _compiled(tuple(name_expression(f, c) for f in fmts for c in configs))
+
+
+@lru_cache(maxsize=None)
+def _kernel(name: str, device_index: int):
+    return nvrtc.load_kernel(_compiled((name,)), name, device_index)
+
+
+_MAPS: OrderedDict = OrderedDict()  # TensorMapSpec -> device copy of its 128 bytes
+_MAPS_KEPT = 64
+
+
+def x_tensor_map(x: torch.Tensor, block_m: int) -> torch.Tensor:
+    """x [M, K] bf16 as (K * 2 bytes, M rows), boxes of one K step (128 bytes) by block_m rows, 128B
+    swizzle (the wgmma's K-major layout); rows past M and columns past K read as zeros."""
+    spec = nvrtc.TensorMapSpec(address=x.data_ptr(), global_dims=(x.shape[1] * 2, x.shape[0]),
+                               global_strides=(x.stride(0) * 2,), box_dims=(128, block_m), swizzle="128B")
+    key = (spec, x.device.index)
+    if key in _MAPS:
+        _MAPS.move_to_end(key)
+        return _MAPS[key]
+    tmap = torch.frombuffer(bytearray(nvrtc.encode_tensor_map(spec)), dtype=torch.uint8).to(x.device)
+    _MAPS[key] = tmap
+    if len(_MAPS) > _MAPS_KEPT:
+        _MAPS.popitem(last=False)
+    return tmap
+
+
+def supports(x: torch.Tensor) -> bool:
+    """TMA needs a 16-byte-aligned base and row stride."""
+    return (x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.data_ptr() % 16 == 0
+            and (x.stride(0) * 2) % 16 == 0)
+
+
+def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: WsConfig = None, out=None):
+    """y = x @ W^T (+ bias) for bf16 x [M, K] and prepared weights (layout.shuffle_weights)."""
+    if not supports(x):
+        raise ValueError(f"wgmma_ws: x must be bf16 with unit column stride and 16-byte-aligned rows, got "
+                         f"{x.dtype} of shape {tuple(x.shape)}, strides {x.stride()}")
+    cfg = cfg or WsConfig()
+    m = x.shape[0]
+    np_, kp = padded_shape(n, k)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    m_tiles = -(-m // cfg.block_m)
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    name = name_expression(fmt_code, cfg)
+    tmap = x_tensor_map(x, cfg.block_m)
+    args = (tmap.data_ptr(), data.data_ptr(), scale.data_ptr(), row_mult.data_ptr(),
+            0 if bias is None else bias.data_ptr(), y.data_ptr(),
+            np.int32(m), np.int32(n), np.int32(kp // K_STEP), np.int32(y.stride(0)), np.int32(m_tiles))
+    nvrtc.launch(_kernel(name, device), clusters=m_tiles * (np_ // ROWS), cluster=1, block=THREADS,
+                 smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
+                 stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)
+    return y
