@@ -3,10 +3,13 @@
 //     y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias),  x and y bf16, fp32 accumulation
 //
 // W is in the Hopper layout of layout.py (pre-shuffled words, rebased block scales, per-row factor).
-// A CTA owns 128 weight rows and BM activation rows and walks K in steps of 64:
-//   warp 8     producer: per step one TMA box of x (BM rows x 128 bytes, 128B swizzle) and the step's
-//              weight words and scale bytes of the 8 row groups (bulk copies), into a STAGES-deep ring
-//              with full/empty mbarriers
+// A CTA owns 128 weight rows and BM activation rows and walks K in steps of 64. The CLUSTER CTAs of a
+// cluster share their activation rows: each loads BM / CLUSTER of them and multicasts them to all, so
+// x crosses from L2 once per cluster (at CLUSTER 1 the x traffic, not the tensor cores, set the pace).
+//   warp 8     producer: per step its share of the x box (128 bytes of K, 128B swizzle) and the step's
+//              weight words and scale bytes of the 8 row groups (one TMA box each), into a STAGES-deep ring
+//              with full/empty mbarriers; a stage is refilled once the consumers of every CTA of the
+//              cluster have released it
 //   warps 0-7  two consumer warpgroups of 64 weight rows each: every thread turns its 16-byte word
 //              load into bf16 (the decode routines of decode.py, shared as PTX), writes them into the
 //              warpgroup's A tile in the wgmma's 128B-swizzled K-major layout (two tiles, alternating),
@@ -73,21 +76,59 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
 
+// Arrive on the barrier at shared::cta address `bar` of CTA `rank` of the cluster (default .cta-scope
+// release: what it orders is the wgmma's completed reads of the stage, not memory another CTA reads).
+__device__ __forceinline__ void mbar_arrive_in(u32 bar, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 __device__ __forceinline__ void tensormap_acquire(const void* tmap) {
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(tmap) : "memory");
 }
 
+// A TMA box into the same shared-memory offset of every CTA in `cta_mask`, completing on each one's `bar`.
+template <int CLUSTER>
 __device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int x, int y, u32 bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar) : "memory");
+  if constexpr (CLUSTER == 1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];" :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar) : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar), "h"(static_cast<u16>((1u << CLUSTER) - 1)) : "memory");
+  }
 }
 
-// Weights are read once: evict-first keeps them from pushing x (read by every row tile) out of L2.
-__device__ __forceinline__ void bulk_load_evict_first(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
+// Weight boxes, with an L2 policy: weights are read by few CTAs, x by every row tile. One box per step
+// for each of the words and the scales of 8 row groups: as 16 separate bulk copies of 64-512 bytes the
+// copies, not the tensor cores, set the pace (measured on the H200).
+__device__ __forceinline__ void tma_load_3d_hint(u32 dst, const void* tmap, int x, int y, int z, u32 bar, u64 policy) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-      :: "r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3, %4}], [%5], %6;"
+      :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(z), "r"(bar), "l"(policy) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_4d_hint(u32 dst, const void* tmap, int x, int y, int z, int w, u32 bar,
+                                                 u64 policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;"
+      :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(z), "r"(w), "r"(bar), "l"(policy) : "memory");
 }
 
 __device__ __forceinline__ u64 evict_first_policy() {
@@ -156,51 +197,12 @@ __device__ __forceinline__ void decode_step(u32 w_addr, u32 s_addr, u32 (&pair)[
   }
 }
 
-template <int FMT, int BM, int STAGES>
-__global__ void __launch_bounds__(THREADS, 1)
-wgmma_ws_gemm(const u64* __restrict__ x_tmap, const unsigned char* __restrict__ data,
-              const unsigned char* __restrict__ scale, const float* __restrict__ row_mult,
-              const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int m_tiles) {
+template <int FMT, int BM, int STAGES, int CLUSTER>
+__device__ __forceinline__ void consume(u32 smem, u32 full, u32 empty, const float* __restrict__ row_mult, const u16* __restrict__ bias,
+                                        u16* __restrict__ y, int M, int N, int KT, int ldy, int m_tile,
+                                        int n_tile, bool has_weights) {
   using L = Smem<FMT, BM, STAGES>;
-  extern __shared__ unsigned char smem_raw[];
-  const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
-  const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int m_tile = blockIdx.x % m_tiles, n_tile = blockIdx.x / m_tiles;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp == PRODUCER_WARP) {
-    if (lane == 0) tensormap_acquire(x_tmap);
-    const u64 policy = evict_first_policy();
-    const long rg0 = static_cast<long>(n_tile) * 8;
-    for (int kt = 0; kt < KT; ++kt) {
-      const int stage = kt % STAGES;
-      const u32 f = full + 8 * stage;
-      mbar_wait(empty + 8 * stage, ((kt / STAGES) & 1) ^ 1);
-      if (lane == 0) {
-        mbar_arrive_expect_tx(f, L::STAGE_TX);
-        tma_load_2d(smem + L::X_OFF + stage * L::X_BYTES, x_tmap, kt * X_ROW_BYTES, m_tile * BM, f);
-      }
-      __syncwarp();
-      if (lane < 8) {
-        bulk_load_evict_first(smem + L::W_OFF + stage * L::W_BYTES + lane * DATA_BYTES<FMT>,
-                              data + ((rg0 + lane) * KT + kt) * DATA_BYTES<FMT>, DATA_BYTES<FMT>, f, policy);
-      } else if (lane < 16) {
-        bulk_load_evict_first(smem + L::S_OFF + stage * L::S_BYTES + (lane - 8) * SCALE_BYTES<FMT>,
-                              scale + ((rg0 + lane - 8) * KT + kt) * SCALE_BYTES<FMT>, SCALE_BYTES<FMT>, f, policy);
-      }
-    }
-    return;
-  }
-
   const int wg = warp / 4, wq = warp % 4, rg = warp;  // row group rg = 16 weight rows
   const int g = lane / 4, t = lane % 4;
   const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (t / 2);  // MX: lanes 2j, 2j+1 share a block of 32
@@ -235,10 +237,15 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const unsigned char* __restrict__ 
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-    if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((kt - 1) % STAGES));  // step kt - 1's x is read
+    if (kt > 0 && lane < CLUSTER) {  // step kt - 1's stage is read: release it in every CTA of the cluster
+      const u32 bar = empty + 8 * ((kt - 1) % STAGES);
+      if constexpr (CLUSTER == 1) mbar_arrive(bar);
+      else mbar_arrive_in(bar, lane);
+    }
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   fence_accumulators<BM>(acc);
+  if (!has_weights) return;
 
   // acc[4i + 2h + c]: weight row 16 wq + g + 8h of the warpgroup, activation row 8i + 2t + c
   const int n0 = n_tile * ROWS + 64 * wg + 16 * wq + g;
@@ -260,6 +267,66 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const unsigned char* __restrict__ 
       }
     }
   }
+}
+
+
+template <int FMT, int BM, int STAGES, int CLUSTER>
+__global__ void __launch_bounds__(THREADS, 1)
+wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, const float* __restrict__ row_mult,
+              const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int m_tiles,
+              int n_tiles) {
+  using L = Smem<FMT, BM, STAGES>;
+  extern __shared__ unsigned char smem_raw[];
+  const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
+  const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // a cluster: one m tile, CLUSTER consecutive n tiles (past n_tiles when they do not divide: such a CTA
+  // still loads and multicasts its share of x, but reads no weights and writes nothing)
+  const int cluster_id = blockIdx.x / CLUSTER;
+  const u32 rank = CLUSTER == 1 ? 0 : cluster_rank();
+  const int m_tile = cluster_id % m_tiles, n_tile = (cluster_id / m_tiles) * CLUSTER + rank;
+  const bool has_weights = n_tile < n_tiles;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 8 * CLUSTER);  // one arrival per consumer warp of the cluster
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if constexpr (CLUSTER > 1) cluster_sync();  // peers' barriers exist before anything arrives on them
+  else __syncthreads();
+
+  if (warp == PRODUCER_WARP) {
+    const u64* data_tmap = w_tmaps;  // words (256 bytes, DATA / 256, K steps, row groups)
+    const u64* scale_tmap = w_tmaps + 16;  // scales (SCALE bytes, K steps, row groups)
+    if (lane == 0) {
+      tensormap_acquire(x_tmap);
+      tensormap_acquire(data_tmap);
+      tensormap_acquire(scale_tmap);
+    }
+    __syncwarp();
+    const u64 policy = evict_first_policy();
+    for (int kt = 0; kt < KT; ++kt) {
+      const int stage = kt % STAGES;
+      const u32 f = full + 8 * stage;
+      mbar_wait(empty + 8 * stage, ((kt / STAGES) & 1) ^ 1);
+      if (lane == 0) {
+        mbar_arrive_expect_tx(f, has_weights ? L::STAGE_TX : L::X_BYTES);  // x bytes from every CTA
+        constexpr int SHARE = BM / CLUSTER;
+        tma_load_2d<CLUSTER>(smem + L::X_OFF + stage * L::X_BYTES + rank * SHARE * X_ROW_BYTES, x_tmap,
+                             kt * X_ROW_BYTES, m_tile * BM + rank * SHARE, f);
+        if (has_weights) {
+          tma_load_4d_hint(smem + L::W_OFF + stage * L::W_BYTES, data_tmap, 0, 0, kt, n_tile * 8, f, policy);
+          tma_load_3d_hint(smem + L::S_OFF + stage * L::S_BYTES, scale_tmap, 0, kt, n_tile * 8, f, policy);
+        }
+      }
+    }
+  } else {
+    consume<FMT, BM, STAGES, CLUSTER>(smem, full, empty, row_mult, bias, y, M, N, KT, ldy, m_tile, n_tile,
+                                      has_weights);
+  }
+  if constexpr (CLUSTER > 1) cluster_sync();  // no CTA leaves while a peer may still signal its barriers
 }
 
 }  // namespace ms90

@@ -34,6 +34,7 @@ SMEM_LIMIT = 227 * 1024
 class WsConfig:
     block_m: int = 256  # activation rows per CTA: the wgmma's N (64, 128 or 256)
     stages: int = 0  # ring depth; 0 = as many as fit
+    cluster: int = 2  # CTAs (consecutive row tiles) sharing one load of their activation rows
 
     def smem_bytes(self, fmt_code: int) -> int:
         return _smem_bytes(fmt_code, self.block_m, self.stages or max_stages(fmt_code, self.block_m))
@@ -81,7 +82,8 @@ def source() -> str:
 
 
 def name_expression(fmt_code: int, cfg: WsConfig) -> str:
-    return f"ms90::wgmma_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.stages or max_stages(fmt_code, cfg.block_m)}>"
+    stages = cfg.stages or max_stages(fmt_code, cfg.block_m)
+    return f"ms90::wgmma_ws_gemm<{fmt_code}, {cfg.block_m}, {stages}, {cfg.cluster}>"
 
 
 @lru_cache(maxsize=None)
@@ -89,7 +91,7 @@ def _compiled(names: tuple) -> nvrtc.CompiledKernels:
     return nvrtc.compile_kernels(names, arch=ARCH, source=source())
 
 
-def compile_all(fmts=(0, 1, 2), configs=(WsConfig(),)) -> nvrtc.CompiledKernels:
+def compile_all(fmts=(0, 1, 2), configs=(WsConfig(), WsConfig(cluster=1))) -> nvrtc.CompiledKernels:
     return _compiled(tuple(name_expression(f, c) for f in fmts for c in configs))
 
 
@@ -102,20 +104,42 @@ _MAPS: OrderedDict = OrderedDict()  # TensorMapSpec -> device copy of its 128 by
 _MAPS_KEPT = 64
 
 
-def x_tensor_map(x: torch.Tensor, block_m: int) -> torch.Tensor:
-    """x [M, K] bf16 as (K * 2 bytes, M rows), boxes of one K step (128 bytes) by block_m rows, 128B
-    swizzle (the wgmma's K-major layout); rows past M and columns past K read as zeros."""
+def x_tensor_map(x: torch.Tensor, box_rows: int) -> torch.Tensor:
+    """x [M, K] bf16 as (K * 2 bytes, M rows), boxes of one K step (128 bytes) by box_rows rows (a CTA's
+    share of the cluster's activation rows), 128B swizzle (the wgmma's K-major layout); rows past M and
+    columns past K read as zeros."""
     spec = nvrtc.TensorMapSpec(address=x.data_ptr(), global_dims=(x.shape[1] * 2, x.shape[0]),
-                               global_strides=(x.stride(0) * 2,), box_dims=(128, block_m), swizzle="128B")
-    key = (spec, x.device.index)
+                               global_strides=(x.stride(0) * 2,), box_dims=(128, box_rows), swizzle="128B")
+    return _device_maps((spec,), x.device)
+
+
+def _device_maps(specs: tuple, device) -> torch.Tensor:
+    """The encoded tensor maps, back to back in device memory; cached, since a map depends only on its
+    spec (address, shape, box): the same buffers give the same maps and no host-to-device copy."""
+    key = (specs, device.index)
     if key in _MAPS:
         _MAPS.move_to_end(key)
         return _MAPS[key]
-    tmap = torch.frombuffer(bytearray(nvrtc.encode_tensor_map(spec)), dtype=torch.uint8).to(x.device)
-    _MAPS[key] = tmap
+    maps = b"".join(nvrtc.encode_tensor_map(spec) for spec in specs)
+    _MAPS[key] = torch.frombuffer(bytearray(maps), dtype=torch.uint8).to(device)
     if len(_MAPS) > _MAPS_KEPT:
         _MAPS.popitem(last=False)
-    return tmap
+    return _MAPS[key]
+
+
+def weight_tensor_maps(data: torch.Tensor, scale: torch.Tensor, fmt_code: int) -> torch.Tensor:
+    """The words [N/16, K/64 x DATA bytes] as (256 bytes, DATA / 256, K steps, row groups) and the scales
+    [N/16, K/64 x SCALE bytes] as (SCALE bytes, K steps, row groups), boxes of one K step of 8 row groups
+    (a CTA's 128 rows): one copy each per step, landing in the order the consumers read."""
+    data_bytes, scale_bytes = (1024 if fmt_code == 2 else 512), (64 if fmt_code == 0 else 32)
+    groups, kt = data.shape[0], data.shape[1] // data_bytes
+    words = nvrtc.TensorMapSpec(address=data.data_ptr(), global_dims=(256, data_bytes // 256, kt, groups),
+                                global_strides=(256, data_bytes, kt * data_bytes),
+                                box_dims=(256, data_bytes // 256, 1, 8), swizzle="none")
+    scales = nvrtc.TensorMapSpec(address=scale.data_ptr(), global_dims=(scale_bytes, kt, groups),
+                                 global_strides=(scale_bytes, kt * scale_bytes), box_dims=(scale_bytes, 1, 8),
+                                 swizzle="none")
+    return _device_maps((words, scales), data.device)
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -135,14 +159,15 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    m_tiles = -(-m // cfg.block_m)
+    m_tiles, n_tiles = -(-m // cfg.block_m), np_ // ROWS
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     name = name_expression(fmt_code, cfg)
-    tmap = x_tensor_map(x, cfg.block_m)
-    args = (tmap.data_ptr(), data.data_ptr(), scale.data_ptr(), row_mult.data_ptr(),
+    tmap = x_tensor_map(x, cfg.block_m // cfg.cluster)
+    args = (tmap.data_ptr(), weight_tensor_maps(data, scale, fmt_code).data_ptr(), row_mult.data_ptr(),
             0 if bias is None else bias.data_ptr(), y.data_ptr(),
-            np.int32(m), np.int32(n), np.int32(kp // K_STEP), np.int32(y.stride(0)), np.int32(m_tiles))
-    nvrtc.launch(_kernel(name, device), clusters=m_tiles * (np_ // ROWS), cluster=1, block=THREADS,
+            np.int32(m), np.int32(n), np.int32(kp // K_STEP), np.int32(y.stride(0)), np.int32(m_tiles),
+            np.int32(n_tiles))
+    nvrtc.launch(_kernel(name, device), clusters=m_tiles * -(-n_tiles // cfg.cluster), cluster=cfg.cluster, block=THREADS,
                  smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
                  stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)
     return y
