@@ -280,13 +280,14 @@ def _key_results(results: dict) -> list:
             rows.append(f"| {fmt} M=1 N={n} K={k} >= {want}x bf16; M=16 >= 90% of that | "
                         f"M=1 {fx(m1)} ({fx(f1)}), M=16 {fx(m16)} ({fx(f16)}; "
                         f"{'-' if ratio is None else f'{ratio:.0%}'} of M=1) |")
-    by_m = {}
-    for r in results["gemm"]:
-        if r["M"] >= 1024 and r["backend"] == "sm90:dequant":
-            by_m.setdefault(r["M"], []).append(r["speedup_vs_bf16"])
-    if by_m:
-        ranges = ", ".join(f"M={m}: {min(v):.2f}-{max(v):.2f}x" for m, v in sorted(by_m.items()))
-        rows.append(f"| large M (>= 1024), bf16 activations, any format >= 0.9x bf16 | dequant + cuBLAS: {ranges} |")
+    for backend, label in (("sm90:wgmma_ws", "fused wgmma_ws"), ("sm90:dequant", "dequant + cuBLAS")):
+        by_m = {}
+        for r in results["gemm"]:
+            if r["M"] >= 1024 and r["backend"] == backend:
+                by_m.setdefault(r["M"], []).append(r["speedup_vs_bf16"])
+        if by_m:
+            ranges = ", ".join(f"M={m}: {min(v):.2f}-{max(v):.2f}x" for m, v in sorted(by_m.items()))
+            rows.append(f"| large M (>= 1024), bf16 activations, any format >= 0.9x bf16 | {label}: {ranges} |")
     for fmt in ("mxfp4", "mxfp8"):
         fp8 = [f"M={m} {fx(sp(fmt, m, 8192, 8192, 'sm90:fp8'))}" for m in (4096, 8192)]
         rows.append(f"| {fmt} FP8 path >= 1.5x bf16 at M=4096, 8192 (N=K=8192) | {', '.join(fp8)} |")

@@ -15,10 +15,13 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 128, {}, torch.float16) == "dequant"  # wgmma kernel: bf16 only
     assert sm90.choose_kernel("nvfp4", 128, {}, cc=(8, 9)) == "dequant"  # no wgmma before sm_90
     assert sm90.choose_kernel("nvfp4", 1, {}, cc=(8, 0)) == "decode"  # the decode kernel runs on sm_80
-    assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M + 1, {}) == "dequant"
+    assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M + 1, {}) == "wgmma_ws"
+    assert sm90.choose_kernel("nvfp4", 4096, {}, torch.float16) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 4096, {}, cc=(8, 9)) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 4096, {}, cc=(12, 0)) == "dequant"
     assert sm90.choose_kernel("mxfp4", 4096, {"fp8_activations": True}) == "fp8"
-    assert sm90.choose_kernel("mxfp4", sm90.FP8_MIN_M - 1, {"fp8_activations": True}) == "dequant"
-    assert sm90.choose_kernel("nvfp4", 4096, {"fp8_activations": True}) == "dequant"  # FP8 path: MX weights only
+    assert sm90.choose_kernel("mxfp4", sm90.FP8_MIN_M - 1, {"fp8_activations": True}) == "wgmma_ws"
+    assert sm90.choose_kernel("nvfp4", 4096, {"fp8_activations": True}) == "wgmma_ws"  # FP8 path: MX weights only
 
 
 def test_explicit_kernel_wins_and_is_checked(monkeypatch):
@@ -35,6 +38,8 @@ def test_explicit_kernel_wins_and_is_checked(monkeypatch):
         sm90.choose_kernel("nvfp4", 128, {"kernel": "wgmma"}, torch.float16)
     with pytest.raises(ValueError, match="sm_90"):
         sm90.choose_kernel("nvfp4", 128, {"kernel": "wgmma"}, cc=(8, 9))
+    with pytest.raises(ValueError, match="wgmma_ws kernel takes bf16"):
+        sm90.choose_kernel("nvfp4", 4096, {"kernel": "wgmma_ws"}, torch.float16)
     with pytest.raises(ValueError, match="takes mxfp4, mxfp8 weights, not nvfp4"):
         sm90.choose_kernel("nvfp4", 4096, {"kernel": "fp8"})
 

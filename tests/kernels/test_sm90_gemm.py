@@ -1,7 +1,7 @@
 """sm90 kernels on the GPU against the reference dequantization and a float64 matmul.
 
 Error bounds (per element, against y64 = x64 @ W64^T + bias with W the exact dequantized weight):
-  decode / dequant (W4A16, W8A16): the weights enter the MMA exactly (bf16 holds every element times
+  decode / wgmma / wgmma_ws (W4A16, W8A16): the weights enter the MMA exactly (bf16 holds every element times
     its scale), products accumulate in fp32 and y is rounded once to x's dtype, so
     |y - y64| <= 2**-8 |y64| + K 2**-22 (|x| @ |W|^T)    (bf16 output; 2**-11 for fp16 output)
   dequant: W itself is rounded to x's dtype first (as the reference backend does): 2**-8 relative
@@ -78,6 +78,46 @@ def test_wgmma_kernel(fmt, m, n, k, seed):
         ws = torch.full((64 * m * n,), float("nan"), device="cuda")
         paths.wgmma_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)
         _check(y, y64, mag, k, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 128, 256), (300, 1000, 2048 + 32), (700, 384, 1024), (1030, 200, 224)])
+def test_wgmma_ws_kernel(fmt, m, n, k, seed):
+    """The CUDA kernel in every launched form: 2-CTA clusters (N = 384: the last cluster's second CTA has
+    no rows and only shares x), none, 4-CTA clusters (N = 200: two of four), 64-row wgmmas with a
+    2-stage ring that wraps (K = 224: 4 steps); M ragged against 64-256 rows per CTA."""
+    from microscale.kernels.sm90 import prepare, wgmma_ws as W
+    from microscale.kernels.sm90.decode import FMT_CODE
+    x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
+    prep = prepare(q)
+    for cfg in (W.WsConfig(), W.WsConfig(cluster=1), W.WsConfig(block_m=128, cluster=4),
+                W.WsConfig(block_m=64, stages=2, cluster=1)):
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        W.wgmma_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y)
+        _check(y, y64, mag, k, torch.bfloat16)
+
+
+def test_wgmma_ws_captured_in_a_cuda_graph(seed):
+    """Dispatch at M = 600 takes wgmma_ws; a call captured with a new activation buffer (its tensor map
+    copied to the device inside the capture) replays on new values as the eager call computes them."""
+    from microscale.kernels import sm90
+    m, n, k = 600, 1000, 1024 + 64
+    x, q, b, y64, mag = _case("nvfp4", m, n, k, torch.bfloat16, seed)
+    prep = sm90.prepare(q)
+    assert sm90.choose_kernel("nvfp4", m, {}) == "wgmma_ws"
+    _check(sm90.gemm(x, *prep, b, fmt="nvfp4", n=n, k=k, options={}), y64, mag, k, torch.bfloat16)
+    static_x = torch.empty_like(x)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=side):
+        y = sm90.gemm(static_x, *prep, b, fmt="nvfp4", n=n, k=k, options={})
+    fresh = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + 1))
+    static_x.copy_(fresh.to(torch.bfloat16))
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, sm90.gemm(static_x.clone(), *prep, b, fmt="nvfp4", n=n, k=k, options={}))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -76,7 +76,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def _nvrtc_compile(source: str, arch: str, names: tuple) -> tuple:
+def _nvrtc_compile(source: str, arch: str, names: tuple, label: str) -> tuple:
     from cuda.core import Program, ProgramOptions
 
     program = Program(source, "c++", options=ProgramOptions(arch=arch, **COMPILE_OPTIONS))
@@ -84,15 +84,16 @@ def _nvrtc_compile(source: str, arch: str, names: tuple) -> tuple:
     try:
         obj = program.compile("cubin", name_expressions=names, logs=log)
     except Exception as e:
-        raise RuntimeError(f"NVRTC failed to compile {SOURCE_PATH.name} for {arch}: {e}\n{log.getvalue()}") from e
+        raise RuntimeError(f"NVRTC failed to compile {label} for {arch}: {e}\n{log.getvalue()}") from e
     cubin = obj.code if hasattr(obj, "code") else obj._module
     mapping = getattr(obj, "symbol_mapping", None) or getattr(obj, "_sym_map", {})
     symbols = {n: (s.decode() if isinstance(s, bytes) else s) for n, s in mapping.items()}
     return bytes(cubin), symbols, log.getvalue().replace("\x00", "")
 
 
-def compile_kernels(names, *, arch: str = DEFAULT_ARCH, source: str = None) -> CompiledKernels:
-    """Compile the template instantiations `names` (C++ name expressions) of the kernel source."""
+def compile_kernels(names, *, arch: str = DEFAULT_ARCH, source: str = None, label: str = SOURCE_PATH.name) -> CompiledKernels:
+    """Compile the template instantiations `names` (C++ name expressions) of the kernel source (default:
+    tcgen05_gemm.cuh; `label` names a given source in errors)."""
     source = SOURCE_PATH.read_text() if source is None else source
     names = tuple(names)
     key = _cache_key(source, arch, names)
@@ -101,7 +102,7 @@ def compile_kernels(names, *, arch: str = DEFAULT_ARCH, source: str = None) -> C
     if cubin_path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())
         return CompiledKernels(cubin_path.read_bytes(), meta["symbols"], arch, meta["ptxas_log"], True)
-    cubin, symbols, log = _nvrtc_compile(source, arch, names)
+    cubin, symbols, log = _nvrtc_compile(source, arch, names, label)
     directory.mkdir(parents=True, exist_ok=True)
     _atomic_write(cubin_path, cubin)
     _atomic_write(meta_path, json.dumps({"symbols": symbols, "ptxas_log": log, "arch": arch}).encode())

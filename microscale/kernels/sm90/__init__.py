@@ -15,9 +15,12 @@ gemm: picks the kernel from M and the options (docs/dispatch.md):
     "decode"  M <= DECODE_MAX_M: dequantize in registers into mma.sync (decode.py)
     "wgmma"   M <= WGMMA_MAX_M, bf16 activations, sm_90: dequantize per K step into shared memory,
               wgmma (wgmma.py)
-    "dequant" otherwise: dequantize into a workspace, then cuBLAS
+    "wgmma_ws" larger M, bf16 activations, sm_90: the warp-specialized CUDA kernel (wgmma_ws.py: TMA
+              producer warp, two decoding warpgroups, clusters sharing the activations)
+    "dequant" otherwise (fp16/fp32 activations, other architectures, x that TMA cannot read, no
+              cuda-python): dequantize into a workspace, then cuBLAS
   options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "wgmma",
-  "dequant", "fp8") overrides the choice.
+  "wgmma_ws", "dequant", "fp8") overrides the choice.
 """
 
 import os
@@ -29,6 +32,7 @@ from ...formats.tensor import QTensor
 from ..dispatch import Backend, compute_capability, register
 from ..selftest import backend_run_fn, selftest_passed
 from . import launch as paths
+from . import wgmma_ws
 from .decode import FMT_CODE
 from .layout import shuffle_weights, unshuffle_weights
 
@@ -36,7 +40,7 @@ NAME = "sm90"
 DECODE_MAX_M = 32
 WGMMA_MAX_M = 512
 FP8_MIN_M = 1024
-KERNELS = ("decode", "wgmma", "dequant", "fp8")
+KERNELS = ("decode", "wgmma", "wgmma_ws", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
 
 
@@ -67,15 +71,16 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
             raise ValueError(f"sm90: unknown kernel {forced!r}; accepted: {', '.join(KERNELS)}")
         if forced == "fp8" and fmt not in FP8_FORMATS:
             raise ValueError(f"sm90: the fp8 kernel takes {', '.join(FP8_FORMATS)} weights, not {fmt}")
-        if forced == "wgmma" and (dtype != torch.bfloat16 or cc[0] != 9):
-            raise ValueError(f"sm90: the wgmma kernel takes bf16 activations on sm_90, not {dtype} on sm_{cc[0]}{cc[1]}")
+        if forced in ("wgmma", "wgmma_ws") and (dtype != torch.bfloat16 or cc[0] != 9):
+            raise ValueError(f"sm90: the {forced} kernel takes bf16 activations on sm_90, not {dtype} on "
+                             f"sm_{cc[0]}{cc[1]}")
         kernel = forced
     elif options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
         kernel = "fp8"
     elif m <= DECODE_MAX_M:
         kernel = "decode"
-    elif m <= WGMMA_MAX_M and dtype == torch.bfloat16 and cc[0] == 9:
-        kernel = "wgmma"
+    elif dtype == torch.bfloat16 and cc[0] == 9:
+        kernel = "wgmma" if m <= WGMMA_MAX_M else "wgmma_ws"
     else:
         kernel = "dequant"
     if kernel == "fp8" and tuple(cc) < (8, 9):
@@ -98,8 +103,10 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device))
-    run = {"decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm, "dequant": paths.dequant_gemm,
-           "fp8": paths.fp8_gemm}[kernel]
+    if kernel == "wgmma_ws" and not (options or {}).get("kernel") and not wgmma_ws.supports(x2d):
+        kernel = "dequant"  # chosen by the rule, not asked for: an x TMA cannot read takes the fallback
+    run = {"decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm, "wgmma_ws": wgmma_ws.wgmma_ws_gemm,
+           "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
     return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
 
 

@@ -1,0 +1,121 @@
+"""CPU CI for the warp-specialized sm90 GEMM (kernels/sm90/wgmma_ws.cuh): NVRTC builds every variant the
+library and the tests launch for sm_90a, the SASS holds the wgmma/TMA/mbarrier pipeline with nothing
+spilled or serialized, and the tensor maps fetch exactly the bytes the consumers read (checked by
+gathering each box from its spec the way TMA does, against slices of the Hopper layout).
+
+The kernel's numerics run on the H200: tests/kernels/test_sm90_gemm.py (marked gpu).
+"""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("cuda.core")
+pytest.importorskip("triton")
+
+from microscale.kernels.sm100 import nvrtc  # noqa: E402
+from microscale.kernels.sm90 import prepare  # noqa: E402
+from microscale.kernels.sm90 import wgmma_ws as W  # noqa: E402
+from microscale.kernels.sm90.decode import FMT_CODE  # noqa: E402
+from microscale.quant import quantize  # noqa: E402
+
+# what the tests of test_sm90_gemm.py launch: the default, no cluster, 4-CTA clusters, the smaller wgmmas
+CONFIGS = (W.WsConfig(), W.WsConfig(cluster=1), W.WsConfig(block_m=128, cluster=4),
+           W.WsConfig(block_m=64, stages=2, cluster=1))
+MAX_REGISTERS = 65536 // W.THREADS // 8 * 8  # one CTA of 288 threads per SM
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MICROSCALE_CACHE_DIR", str(tmp_path_factory.mktemp("nvrtc-cache")))
+    compiled = W.compile_all(configs=CONFIGS)
+    yield compiled, nvrtc.disassemble(compiled.cubin), nvrtc.resource_usage(compiled.cubin)
+    mp.undo()
+
+
+def test_generated_source_is_complete():
+    src = W.source()
+    assert "// @GENERATED@" not in src
+    for fn in ("decode_nvfp4", "decode_mxfp4", "decode_fp8", "wgmma_bf16<64>", "wgmma_bf16<128>", "wgmma_bf16<256>"):
+        assert fn in src
+
+
+@pytest.mark.parametrize("fmt", list(FMT_CODE))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-st{c.stages}-cl{c.cluster}")
+def test_sass_holds_the_pipeline(build, fmt, cfg):
+    compiled, sass, resources = build
+    assert "C7515" not in compiled.ptxas_log, "ptxas serialized the wgmmas"
+    symbol = compiled.symbols[W.name_expression(FMT_CODE[fmt], cfg)]
+    code = sass[symbol]
+    assert len(re.findall(rf"HGMMA\.64x{cfg.block_m}x16\.F32\.BF16", code)) == 4  # one per 16 of the K step
+    assert "UTMALDG.2D" in code and "UTMALDG.3D" in code and "UTMALDG.4D" in code  # x, scales, words
+    for op in ("SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "WARPGROUP.DEPBAR.LE", "FENCE.VIEW.ASYNC.S"):
+        assert op in code, op
+    if cfg.cluster > 1:
+        assert "UCGABAR_ARV" in code and ".MULTICAST" in code
+    res = resources[symbol]
+    assert res["REG"] <= MAX_REGISTERS and res.get("LOCAL", 0) == 0, res
+    assert cfg.smem_bytes(FMT_CODE[fmt]) <= W.SMEM_LIMIT
+
+
+def test_config_over_the_shared_memory_limit_is_refused():
+    with pytest.raises(ValueError, match="shared memory"):
+        W.WsConfig(stages=6).smem_bytes(FMT_CODE["mxfp8"])
+
+
+def _gather_box(base: torch.Tensor, spec, origin) -> np.ndarray:
+    """The bytes TMA copies for a box at `origin` (uint8 elements, dimension 0 fastest), zeros out of
+    bounds; addresses relative to `base`, the tensor the spec was made from."""
+    flat = base.contiguous().view(torch.uint8).reshape(-1).numpy()
+    strides = (1,) + tuple(spec.global_strides)
+    grids = np.meshgrid(*[np.arange(b) for b in reversed(spec.box_dims)], indexing="ij")
+    offset = np.zeros(grids[0].shape, dtype=np.int64)
+    inside = np.ones(grids[0].shape, dtype=bool)
+    for dim, grid in enumerate(reversed(grids)):
+        coord = origin[dim] + grid
+        inside &= coord < spec.global_dims[dim]
+        offset += coord * strides[dim]
+    return np.where(inside, flat[np.where(inside, offset, 0)], 0).reshape(-1)
+
+
+@pytest.mark.parametrize("fmt", list(FMT_CODE))
+def test_weight_boxes_are_the_consumers_bytes(fmt, seed):
+    g = torch.Generator().manual_seed(seed)
+    n, k = 384, 640  # 3 row tiles, 10 K steps
+    data, scale, _ = prepare(quantize(torch.randn(n, k, generator=g), fmt))
+    words, scales = W.weight_map_specs(data, scale, FMT_CODE[fmt])
+    for spec in (words, scales):
+        spec.validate()
+    data_bytes, scale_bytes = data.shape[1] // 10, scale.shape[1] // 10
+    assert words.box_bytes == 8 * data_bytes and scales.box_bytes == 8 * scale_bytes
+    for n_tile in range(3):
+        for kt in (0, 7, 9):
+            got = _gather_box(data, words, (0, 0, kt, 8 * n_tile))
+            want = data[8 * n_tile:8 * n_tile + 8, kt * data_bytes:(kt + 1) * data_bytes].reshape(-1).numpy()
+            np.testing.assert_array_equal(got, want)
+            got = _gather_box(scale, scales, (0, kt, 8 * n_tile))
+            want = scale[8 * n_tile:8 * n_tile + 8, kt * scale_bytes:(kt + 1) * scale_bytes].reshape(-1).numpy()
+            np.testing.assert_array_equal(got, want)
+
+
+def test_activation_box_is_one_k_step_of_the_share_with_zeros_past_m_and_k(seed):
+    g = torch.Generator().manual_seed(seed)
+    m, k = 150, 200  # K = 200: the last K step (columns 192..255) is partly past K
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    spec = W.x_map_spec(x, 128)
+    spec.validate()
+    got = torch.from_numpy(_gather_box(x, spec, (3 * 128, 128)).copy()).view(torch.bfloat16).reshape(128, 64)
+    want = torch.zeros(128, 64, dtype=torch.bfloat16)
+    want[:m - 128, :k - 192] = x[128:, 192:]
+    assert torch.equal(got, want)
+
+
+def test_x_that_tma_cannot_read_is_refused():
+    x = torch.zeros(4, 100, dtype=torch.bfloat16)  # rows of 200 bytes: not 16-byte aligned
+    assert not W.supports(x)
+    assert not W.supports(torch.zeros(4, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="16-byte-aligned rows"):
+        W.wgmma_ws_gemm(x, None, None, None, None, 0, 8, 100)
