@@ -274,17 +274,23 @@ template <int FMT, int BM, int STAGES, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
 wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, const float* __restrict__ row_mult,
               const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int m_tiles,
-              int n_tiles) {
+              int n_tiles, int group_m) {
   using L = Smem<FMT, BM, STAGES>;
   extern __shared__ unsigned char smem_raw[];
   const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
   const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // a cluster: one m tile, CLUSTER consecutive n tiles (past n_tiles when they do not divide: such a CTA
-  // still loads and multicasts its share of x, but reads no weights and writes nothing)
+  // still loads and multicasts its share of x, but reads no weights and writes nothing). Clusters run
+  // through groups of group_m m tiles, m fastest within a group, so the CTAs resident at once share
+  // an L2-sized slice of x rather than streaming all of a large x from memory for every n tile.
   const int cluster_id = blockIdx.x / CLUSTER;
   const u32 rank = CLUSTER == 1 ? 0 : cluster_rank();
-  const int m_tile = cluster_id % m_tiles, n_tile = (cluster_id / m_tiles) * CLUSTER + rank;
+  const int per_group = group_m * ((n_tiles + CLUSTER - 1) / CLUSTER);
+  const int first_m = cluster_id / per_group * group_m;
+  const int group_rows = min(m_tiles - first_m, group_m);
+  const int m_tile = first_m + cluster_id % per_group % group_rows;
+  const int n_tile = cluster_id % per_group / group_rows * CLUSTER + rank;
   const bool has_weights = n_tile < n_tiles;
 
   if (threadIdx.x == 0) {
