@@ -102,7 +102,7 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         rec = {"format": fmt, "M": m, "N": n, "K": k}
         opts = {"fp8_activations": True} if kernels == "fp8" else {}
-        kernel = kernels or sm90.choose_kernel(fmt, m, opts, x.dtype, torch.cuda.get_device_capability())
+        kernel = kernels or sm90.choose_kernel(fmt, m, opts, x.dtype, torch.cuda.get_device_capability(), n)
         rec["backend"] = f"sm90:{kernel}"
         reps = dict(replays=10, calls=8) if m <= 64 else dict(replays=5, calls=2)  # long calls: fewer
         # ours and cuBLAS bf16 timed twice, interleaved, each keeping its faster run, so one
@@ -280,14 +280,25 @@ def _key_results(results: dict) -> list:
             rows.append(f"| {fmt} M=1 N={n} K={k} >= {want}x bf16; M=16 >= 90% of that | "
                         f"M=1 {fx(m1)} ({fx(f1)}), M=16 {fx(m16)} ({fx(f16)}; "
                         f"{'-' if ratio is None else f'{ratio:.0%}'} of M=1) |")
+    large = [r for r in results["gemm"] if r["M"] >= 1024 and r["backend"] in ("sm90:wgmma_ws", "sm90:dequant")]
     for backend, label in (("sm90:wgmma_ws", "fused wgmma_ws"), ("sm90:dequant", "dequant + cuBLAS")):
         by_m = {}
-        for r in results["gemm"]:
-            if r["M"] >= 1024 and r["backend"] == backend:
+        for r in large:
+            if r["backend"] == backend:
                 by_m.setdefault(r["M"], []).append(r["speedup_vs_bf16"])
         if by_m:
             ranges = ", ".join(f"M={m}: {min(v):.2f}-{max(v):.2f}x" for m, v in sorted(by_m.items()))
             rows.append(f"| large M (>= 1024), bf16 activations, any format >= 0.9x bf16 | {label}: {ranges} |")
+    best = {}  # the faster of the two per format and shape, as the issue asks
+    for r in large:
+        key = r["format"], r["M"], r["N"], r["K"]
+        best[key] = max(best.get(key, 0.0), r["speedup_vs_bf16"])
+    if best:
+        parts = []
+        for m in sorted({key[1] for key in best}):
+            v = [sp for key, sp in best.items() if key[1] == m]
+            parts.append(f"M={m}: {min(v):.2f}-{max(v):.2f}x ({sum(x >= 0.9 for x in v)} of {len(v)} >= 0.9x)")
+        rows.append(f"| large M, the faster kernel per format and shape | {', '.join(parts)} |")
     for fmt in ("mxfp4", "mxfp8"):
         fp8 = [f"M={m} {fx(sp(fmt, m, 8192, 8192, 'sm90:fp8'))}" for m in (4096, 8192)]
         rows.append(f"| {fmt} FP8 path >= 1.5x bf16 at M=4096, 8192 (N=K=8192) | {', '.join(fp8)} |")
@@ -359,7 +370,11 @@ def plot(results: dict, path: str):
         for color, (n, k) in zip(("C0", "C1", "C2", "C3"), SHAPES):
             rs = sorted((r for r in results["gemm"] if r["format"] == fmt and (r["N"], r["K"]) == (n, k)
                          and r.get("speedup_vs_bf16")), key=lambda r: r["M"])
-            default = [r for r in rs if r["backend"] != "sm90:fp8"]
+            fastest = {}  # per M, the fastest bf16-activation kernel measured (several at some M)
+            for r in rs:
+                if r["backend"] != "sm90:fp8" and r["speedup_vs_bf16"] > fastest.get(r["M"], {}).get("speedup_vs_bf16", 0):
+                    fastest[r["M"]] = r
+            default = [fastest[m] for m in sorted(fastest)]
             fp8 = [r for r in rs if r["backend"] == "sm90:fp8"]
             if default:
                 ax.plot([r["M"] for r in default], [r["speedup_vs_bf16"] for r in default], marker="o",
@@ -371,7 +386,7 @@ def plot(results: dict, path: str):
         ax.set_xscale("log", base=2)
         ax.set_title(fmt)
         ax.set_xlabel("M")
-    axes[0].set_ylabel("speed-up over cuBLAS bf16")
+    axes[0].set_ylabel("speed-up over cuBLAS bf16 (fastest kernel per M)")
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -16,12 +16,22 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 128, {}, cc=(8, 9)) == "dequant"  # no wgmma before sm_90
     assert sm90.choose_kernel("nvfp4", 1, {}, cc=(8, 0)) == "decode"  # the decode kernel runs on sm_80
     assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M + 1, {}) == "wgmma_ws"
-    assert sm90.choose_kernel("nvfp4", 4096, {}, torch.float16) == "dequant"
-    assert sm90.choose_kernel("nvfp4", 4096, {}, cc=(8, 9)) == "dequant"
-    assert sm90.choose_kernel("nvfp4", 4096, {}, cc=(12, 0)) == "dequant"
+    assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M, {}, n=2048) == "wgmma"  # 32 tiles: < one wave
+    assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M + 1, {}, n=2048) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 1024, {}, n=4096) == "wgmma_ws"  # 128 tiles
+    assert sm90.choose_kernel("nvfp4", 256, {}, n=28672) == "wgmma_ws"
+    assert sm90.choose_kernel("nvfp4", 256, {}, n=8192) == "wgmma"  # 64 tiles
+    assert sm90.choose_kernel("nvfp4", 128, {}, n=28672) == "wgmma"
+    assert sm90.choose_kernel("mxfp4", 2048, {}) == "wgmma_ws"
+    assert sm90.choose_kernel("mxfp8", 2048, {}) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 4096, {}) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 1024, {}, torch.float16) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 1024, {}, cc=(8, 9)) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 1024, {}, cc=(12, 0)) == "dequant"
     assert sm90.choose_kernel("mxfp4", 4096, {"fp8_activations": True}) == "fp8"
     assert sm90.choose_kernel("mxfp4", sm90.FP8_MIN_M - 1, {"fp8_activations": True}) == "wgmma_ws"
-    assert sm90.choose_kernel("nvfp4", 4096, {"fp8_activations": True}) == "wgmma_ws"  # FP8 path: MX weights only
+    assert sm90.choose_kernel("mxfp4", 2 * sm90.FP8_MIN_M, {"fp8_activations": True}, cc=(8, 9)) == "fp8"
+    assert sm90.choose_kernel("nvfp4", 2048, {"fp8_activations": True}) == "wgmma_ws"  # FP8 path: MX weights only
 
 
 def test_explicit_kernel_wins_and_is_checked(monkeypatch):

@@ -99,26 +99,26 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
 
 
 def test_wgmma_ws_captured_in_a_cuda_graph(seed):
-    """Dispatch at M = 600 takes wgmma_ws; a call captured with a new activation buffer (its tensor map
-    copied to the device inside the capture) replays on new values as the eager call computes them."""
+    """A call captured with a new activation buffer (its tensor map copied to the device inside the
+    capture) replays on new values as the eager call computes them."""
     from microscale.kernels import sm90
     m, n, k = 600, 1000, 1024 + 64
     x, q, b, y64, mag = _case("nvfp4", m, n, k, torch.bfloat16, seed)
     prep = sm90.prepare(q)
-    assert sm90.choose_kernel("nvfp4", m, {}) == "wgmma_ws"
-    _check(sm90.gemm(x, *prep, b, fmt="nvfp4", n=n, k=k, options={}), y64, mag, k, torch.bfloat16)
+    ws = {"kernel": "wgmma_ws"}
+    _check(sm90.gemm(x, *prep, b, fmt="nvfp4", n=n, k=k, options=ws), y64, mag, k, torch.bfloat16)
     static_x = torch.empty_like(x)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.graph(graph, stream=side):
-        y = sm90.gemm(static_x, *prep, b, fmt="nvfp4", n=n, k=k, options={})
+        y = sm90.gemm(static_x, *prep, b, fmt="nvfp4", n=n, k=k, options=ws)
     fresh = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + 1))
     static_x.copy_(fresh.to(torch.bfloat16))
     y.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, sm90.gemm(static_x.clone(), *prep, b, fmt="nvfp4", n=n, k=k, options={}))
+    assert torch.equal(y, sm90.gemm(static_x.clone(), *prep, b, fmt="nvfp4", n=n, k=k, options=ws))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -13,12 +13,13 @@ unprepare: its inverse (layout.unshuffle_weights; bit-exact for what our quantiz
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
     "decode"  M <= DECODE_MAX_M: dequantize in registers into mma.sync (decode.py)
-    "wgmma"   M <= WGMMA_MAX_M, bf16 activations, sm_90: dequantize per K step into shared memory,
-              wgmma (wgmma.py)
-    "wgmma_ws" larger M, bf16 activations, sm_90: the warp-specialized CUDA kernel (wgmma_ws.py: TMA
-              producer warp, two decoding warpgroups, clusters sharing the activations)
-    "dequant" otherwise (fp16/fp32 activations, other architectures, x that TMA cannot read, no
-              cuda-python): dequantize into a workspace, then cuBLAS
+    "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M[fmt] and at least WS_MIN_TILES
+              tiles of 256 x 128: the warp-specialized CUDA kernel (wgmma_ws.py: TMA producer warp,
+              two decoding warpgroups, clusters sharing the activations)
+    "wgmma"   otherwise M <= WGMMA_MAX_M, bf16 activations, sm_90: dequantize per K step into shared
+              memory, wgmma (wgmma.py)
+    "dequant" otherwise (larger M, fp16/fp32 activations, other architectures, x that TMA cannot
+              read, no cuda-python): dequantize into a workspace, then cuBLAS
   options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "wgmma",
   "wgmma_ws", "dequant", "fp8") overrides the choice.
 """
@@ -40,6 +41,13 @@ NAME = "sm90"
 DECODE_MAX_M = 32
 WGMMA_MAX_M = 512
 FP8_MIN_M = 1024
+# wgmma_ws where it measured fastest (bench/results/gemm_h200.json, session 10): from M = 256 when its
+# 256 x 128 tiles fill about one wave of 132 SMs (M = 256, N = 28672: 0.97x cuBLAS bf16 against 0.59x for
+# wgmma; with 64 tiles the two are level); up to M = 2048 for FP4 weights and 1024 for MXFP8, above
+# which dequant + cuBLAS wins (its extra pass over W shrinks against the GEMM as M grows)
+WS_MIN_M = 256
+WS_MIN_TILES = 128
+WS_MAX_M = {"nvfp4": 2048, "mxfp4": 2048, "mxfp8": 1024}
 KERNELS = ("decode", "wgmma", "wgmma_ws", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
 
@@ -62,9 +70,10 @@ def unprepare(prepared, fmt, shape, global_scale=None) -> QTensor:
     return unshuffle_weights(*prepared, fmt, shape, global_scale)
 
 
-def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0)) -> str:
+def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0), n: int = 8192) -> str:
     """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins.
-    dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90, FP8 sm_89)."""
+    dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90, FP8 sm_89);
+    n: the weight's rows."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
     if forced:
         if forced not in KERNELS:
@@ -79,8 +88,11 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
         kernel = "fp8"
     elif m <= DECODE_MAX_M:
         kernel = "decode"
-    elif dtype == torch.bfloat16 and cc[0] == 9:
-        kernel = "wgmma" if m <= WGMMA_MAX_M else "wgmma_ws"
+    elif dtype == torch.bfloat16 and cc[0] == 9 and WS_MIN_M <= m <= WS_MAX_M[fmt] and \
+            -(-m // 256) * -(-n // 128) >= WS_MIN_TILES:
+        kernel = "wgmma_ws"
+    elif dtype == torch.bfloat16 and cc[0] == 9 and m <= WGMMA_MAX_M:
+        kernel = "wgmma"
     else:
         kernel = "dequant"
     if kernel == "fp8" and tuple(cc) < (8, 9):
@@ -102,7 +114,7 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
         return x2d.new_empty(0, n)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device))
+    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n)
     if kernel == "wgmma_ws" and not (options or {}).get("kernel") and not wgmma_ws.supports(x2d):
         kernel = "dequant"  # chosen by the rule, not asked for: an x TMA cannot read takes the fallback
     run = {"decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm, "wgmma_ws": wgmma_ws.wgmma_ws_gemm,
