@@ -26,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 
 SOURCE_PATH = Path(__file__).with_name("tcgen05_gemm.cuh")
+COMMON_PATH = Path(__file__).parent.parent / "ptx_common.cuh"  # compiled in front of every kernel source
 DEFAULT_ARCH = "sm_100a"
 COMPILE_OPTIONS = {"std": "c++17", "ptxas_options": "-v"}  # -v: registers and spills into the log
 
@@ -94,7 +95,7 @@ def _nvrtc_compile(source: str, arch: str, names: tuple, label: str) -> tuple:
 def compile_kernels(names, *, arch: str = DEFAULT_ARCH, source: str = None, label: str = SOURCE_PATH.name) -> CompiledKernels:
     """Compile the template instantiations `names` (C++ name expressions) of the kernel source (default:
     tcgen05_gemm.cuh; `label` names a given source in errors)."""
-    source = SOURCE_PATH.read_text() if source is None else source
+    source = COMMON_PATH.read_text() + "\n" + (SOURCE_PATH.read_text() if source is None else source)
     names = tuple(names)
     key = _cache_key(source, arch, names)
     directory = cache_dir()

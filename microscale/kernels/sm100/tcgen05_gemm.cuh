@@ -19,11 +19,8 @@
 // tensor maps, which live in global memory (encoded by cuTensorMapEncodeTiled on the host) so no
 // launcher has to pass a 128-byte struct by value.
 //
-// Self-contained for NVRTC: no includes; all tensor-core, TMA and barrier operations are inline PTX.
-
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef unsigned short u16;
+// Self-contained for NVRTC: no includes; all tensor-core, TMA and barrier operations are inline PTX
+// (the generic ones in ../ptx_common.cuh, which nvrtc.compile_kernels puts in front).
 
 namespace ms {
 
@@ -73,9 +70,6 @@ struct SmemLayout {
 
 // ---- PTX wrappers -------------------------------------------------------------------------------------
 
-__device__ __forceinline__ u32 shared_address(const void* p) {
-  return static_cast<u32>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ bool elect_one() {
   u32 elected;
@@ -83,33 +77,10 @@ __device__ __forceinline__ bool elect_one() {
   return elected != 0;
 }
 
-__device__ __forceinline__ u32 cluster_rank() {
-  u32 r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
 
-// Address of the same shared-memory object in CTA `rank` of the cluster.
-__device__ __forceinline__ u32 map_to_rank(u32 addr, u32 rank) {
-  u32 out;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
-  return out;
-}
 
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
 
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n .reg .pred P;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
-      " @!P bra WAIT_%=;\n}" :: "r"(bar), "r"(parity) : "memory");
-}
 
 // Arrive and announce `bytes` of TMA traffic; `bar` may be in the peer CTA (shared::cluster address).
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
@@ -121,10 +92,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(u32 bar) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(bar) : "memory");
 }
 
-// A tensor map written to global memory by the host: order the TMA unit's view after that write.
-__device__ __forceinline__ void tensormap_acquire(const void* tmap) {
-  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(tmap) : "memory");
-}
 
 // TMA tile loads. With CTA_GROUP == 2 the completion may be signalled on the peer CTA's barrier.
 template <int CTA_GROUP>
