@@ -41,3 +41,10 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 __device__ __forceinline__ void tensormap_acquire(const void* tmap) {
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(tmap) : "memory");
 }
+
+// One TMA box of a 2-D tensor map into this CTA's shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d_cta(u32 dst, const void* tmap, int x, int y, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar) : "memory");
+}

@@ -70,17 +70,11 @@ struct SmemLayout {
 
 // ---- PTX wrappers -------------------------------------------------------------------------------------
 
-
 __device__ __forceinline__ bool elect_one() {
   u32 elected;
   asm volatile("{\n .reg .pred P;\n elect.sync _|P, 0xffffffff;\n selp.u32 %0, 1, 0, P;\n}" : "=r"(elected));
   return elected != 0;
 }
-
-
-
-
-
 
 // Arrive and announce `bytes` of TMA traffic; `bar` may be in the peer CTA (shared::cluster address).
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
@@ -92,14 +86,11 @@ __device__ __forceinline__ void mbar_arrive_cluster(u32 bar) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(bar) : "memory");
 }
 
-
 // TMA tile loads. With CTA_GROUP == 2 the completion may be signalled on the peer CTA's barrier.
 template <int CTA_GROUP>
 __device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int x, int y, u32 bar) {
   if constexpr (CTA_GROUP == 1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3}], [%4];" :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar) : "memory");
+    tma_load_2d_cta(dst, tmap, x, y, bar);
   } else {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.cta_group::2"

@@ -50,9 +50,6 @@ struct Smem {
   static_assert(X_BYTES % 1024 == 0, "swizzled tiles must stay 1024-byte aligned");
 };
 
-
-
-
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
@@ -67,16 +64,11 @@ __device__ __forceinline__ void mbar_arrive_in(u32 bar, u32 rank) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(map_to_rank(bar, rank)) : "memory");
 }
 
-
-
-
-// A TMA box into the same shared-memory offset of every CTA in `cta_mask`, completing on each one's `bar`.
+// A TMA box into the same shared-memory offset of every CTA of the cluster, completing on each one's `bar`.
 template <int CLUSTER>
 __device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int x, int y, u32 bar) {
   if constexpr (CLUSTER == 1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3}], [%4];" :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar) : "memory");
+    tma_load_2d_cta(dst, tmap, x, y, bar);
   } else {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
@@ -240,7 +232,6 @@ __device__ __forceinline__ void consume(u32 smem, u32 full, u32 empty, const flo
     }
   }
 }
-
 
 template <int FMT, int BM, int STAGES, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
