@@ -1,4 +1,5 @@
-"""Run-time compilation and launch of the hand-written sm100 kernels through cuda-python.
+"""Run-time compilation and launch of the hand-written kernels (sm100/tcgen05_gemm.cuh, sm90/wgmma_ws.cuh)
+through cuda-python.
 
 - `compile_kernels`: NVRTC via cuda.core `Program` (no GPU needed), cubins cached on disk under a
   key of source hash + options + name expressions + NVRTC version, published atomically (rename).
