@@ -103,6 +103,16 @@ def test_available_on_sm100_only_after_the_self_test_passes(monkeypatch, correct
     assert "nvfp4 x nvfp4" not in message  # NVFP4 reads SF ID 0 for every MMA anyway
 
 
+def assert_gemm_close(y, ref, mag, k):
+    """y (bf16) against the float64 product ref of the quantized operands: 2**-7 relative (the bf16
+    output and alpha's rounding), plus K 2**-22 (|x| @ |W|^T + |bias|) for the fp32 accumulation, which
+    a cancelling sum can leave large against a small result (seen once: 3.5% of an element 100x
+    smaller than its terms)."""
+    bound = 2.0**-7 * ref.abs() + k * 2.0**-22 * mag
+    worst = ((y.double() - ref).abs() / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3f} x the bound"
+
+
 def test_gemm_glue_matches_reference_with_bias(emulated_launch, seed):
     g = torch.Generator().manual_seed(seed)
     for fmt in T.FORMAT_INDEX:
@@ -112,8 +122,9 @@ def test_gemm_glue_matches_reference_with_bias(emulated_launch, seed):
         data, scale, gs = prepare_weight(wq)
         y = T._gemm(x, data, scale, gs, bias, fmt=fmt, n=50, k=96, options={"activations": fmt})
         assert y.dtype == x.dtype and y.shape == (37, 50)
-        ref = quantize(x, fmt).dequantize(torch.float64) @ wq.dequantize(torch.float64).T + bias.double()
-        torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-9)
+        xd, wd = quantize(x, fmt).dequantize(torch.float64), wq.dequantize(torch.float64)
+        ref = xd @ wd.T + bias.double()
+        assert_gemm_close(y, ref, xd.abs() @ wd.abs().T + bias.double().abs(), 96)
 
 
 def test_gemm_refuses_weight_only_calls_and_bad_shapes():
