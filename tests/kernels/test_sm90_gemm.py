@@ -100,7 +100,8 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
 
 def test_wgmma_ws_captured_in_a_cuda_graph(seed):
     """A call captured with a new activation buffer (its tensor map copied to the device inside the
-    capture) replays on new values as the eager call computes them."""
+    capture) replays on new values as the eager call computes them; an eager call on that buffer
+    before the first replay (when the graph has not written its map yet) is right too."""
     from microscale.kernels import sm90
     m, n, k = 600, 1000, 1024 + 64
     x, q, b, y64, mag = _case("nvfp4", m, n, k, torch.bfloat16, seed)
@@ -113,6 +114,8 @@ def test_wgmma_ws_captured_in_a_cuda_graph(seed):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.graph(graph, stream=side):
         y = sm90.gemm(static_x, *prep, b, fmt="nvfp4", n=n, k=k, options=ws)
+    static_x.copy_(x)
+    _check(sm90.gemm(static_x, *prep, b, fmt="nvfp4", n=n, k=k, options=ws), y64, mag, k, torch.bfloat16)
     fresh = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + 1))
     static_x.copy_(fresh.to(torch.bfloat16))
     y.fill_(float("nan"))

@@ -7,10 +7,11 @@ completed here: the decode routines come from decode.py (one PTX text for every 
 wgmma wrappers, whose 64-128 accumulator operands are tedious to write by hand, are generated.
 
 Tensor maps (128 bytes each, in global memory) are cached per address, shape and box: the weights' are
-made once, x's once per activation buffer.
+made once per weight, x's once per activation buffer (_device_maps says how CUDA graphs are served).
 """
 
 import json
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
@@ -92,8 +93,13 @@ def _kernel(name: str, device_index: int):
     return nvrtc.load_kernel(_compiled((name,)), name, device_index)
 
 
-_MAPS: OrderedDict = OrderedDict()  # TensorMapSpec -> device copy of its 128 bytes
-_MAPS_KEPT = 64
+# Tensor maps in device memory, (specs, device index) -> (pinned host bytes, device copy). Only maps
+# made outside graph capture are cached (one made inside is written when the graph replays, so an
+# eager call could read it unwritten); every map a captured graph reads is kept for good.
+_X_MAPS: OrderedDict = OrderedDict()  # activations: the most recent _X_MAPS_KEPT
+_X_MAPS_KEPT = 64
+_W_MAPS: dict = {}  # weights: while the weight lives
+_GRAPH_MAPS: list = []
 
 
 def x_map_spec(x: torch.Tensor, box_rows: int) -> nvrtc.TensorMapSpec:
@@ -104,20 +110,33 @@ def x_map_spec(x: torch.Tensor, box_rows: int) -> nvrtc.TensorMapSpec:
                                global_strides=(x.stride(0) * 2,), box_dims=(128, box_rows), swizzle="128B")
 
 
-def _device_maps(specs: tuple, device) -> torch.Tensor:
-    """The encoded tensor maps, back to back in device memory; cached, since a map depends only on its
-    spec (address, shape, box): the same buffers give the same maps and no copy. The copy goes from
-    pinned memory (kept with the entry), so a call inside CUDA-graph capture records it as a graph node."""
+def _to_device(maps: bytes, device) -> tuple:
+    """(pinned host copy, device copy): from pinned memory the copy is capturable (a graph node)."""
+    host = torch.frombuffer(bytearray(maps), dtype=torch.uint8).pin_memory()
+    return host, host.to(device, non_blocking=True)
+
+
+def _device_maps(specs: tuple, device, owner: torch.Tensor = None) -> torch.Tensor:
+    """The encoded tensor maps, back to back in device memory. A map depends only on its spec (address,
+    shape, box), so the same buffers reuse it; `owner` (a weight) bounds the entry's life, without
+    one (activations) the least recently used entries go."""
     key = (specs, device.index)
-    if key in _MAPS:
-        _MAPS.move_to_end(key)
-        return _MAPS[key][1]
-    host = torch.frombuffer(bytearray(b"".join(nvrtc.encode_tensor_map(s) for s in specs)), dtype=torch.uint8)
-    host = host.pin_memory()
-    _MAPS[key] = (host, host.to(device, non_blocking=True))
-    if len(_MAPS) > _MAPS_KEPT:
-        _MAPS.popitem(last=False)
-    return _MAPS[key][1]
+    cache = _X_MAPS if owner is None else _W_MAPS
+    capturing = torch.cuda.is_current_stream_capturing()
+    entry = cache.get(key)
+    if entry is None:
+        entry = _to_device(b"".join(nvrtc.encode_tensor_map(s) for s in specs), device)
+        if not capturing:
+            cache[key] = entry
+            if owner is not None:
+                weakref.finalize(owner, _W_MAPS.pop, key, None)
+            elif len(_X_MAPS) > _X_MAPS_KEPT:
+                _X_MAPS.popitem(last=False)
+    elif owner is None:
+        _X_MAPS.move_to_end(key)
+    if capturing:
+        _GRAPH_MAPS.append(entry)
+    return entry[1]
 
 
 def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int) -> tuple:
@@ -171,7 +190,7 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     name = name_expression(fmt_code, cfg)
     tmap = _device_maps((x_map_spec(x, cfg.block_m // cfg.cluster),), x.device)
-    wmaps = _device_maps(weight_map_specs(data, scale, fmt_code), x.device)
+    wmaps = _device_maps(weight_map_specs(data, scale, fmt_code), x.device, owner=data)
     args = (tmap.data_ptr(), wmaps.data_ptr(), row_mult.data_ptr(),
             0 if bias is None else bias.data_ptr(), y.data_ptr(),
             np.int32(m), np.int32(n), np.int32(kp // K_STEP), np.int32(y.stride(0)), np.int32(m_tiles),
