@@ -52,9 +52,10 @@ def _wgmma_wrapper(n: int) -> str:
     regs = n // 2
     outs = ", ".join(f"%{i}" for i in range(regs))
     operands = ", ".join(f'"+f"(acc[{i}])' for i in range(regs))
-    ptx = (f"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{regs + 2}, 0;\\n"
-           f" wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}")
-    return (f"template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float (&acc)[{regs}], u64 a, u64 b, u32 accumulate) {{\n"
+    ptx = (f"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{regs + 2}, 0;\\n wgmma.mma_async.sync.aligned.m64n{n}k16"
+           f".f32.bf16.bf16 {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}")
+    return (f"template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float (&acc)[{regs}], u64 a, u64 b,\n"
+            f"                                                            u32 accumulate) {{\n"
             f'  asm volatile("{ptx}"\n      : {operands}\n      : "l"(a), "l"(b), "r"(accumulate));\n}}\n')
 
 
@@ -68,7 +69,8 @@ def _decode_function(name: str, fmt_code: int) -> str:
 
 
 def source() -> str:
-    generated = ["template <int N> __device__ __forceinline__ void wgmma_bf16(float (&acc)[N / 2], u64 a, u64 b, u32 accumulate);"]
+    generated = ["template <int N>\n"
+                 "__device__ __forceinline__ void wgmma_bf16(float (&acc)[N / 2], u64 a, u64 b, u32 accumulate);"]
     generated += [_wgmma_wrapper(n) for n in (64, 128, 256)]
     generated += [_decode_function(name, code) for name, code in
                   (("decode_nvfp4", 0), ("decode_mxfp4", 1), ("decode_fp8", 2))]
@@ -161,7 +163,8 @@ def default_group_m(block_m: int, kp: int) -> int:
 
 def supports(x: torch.Tensor) -> bool:
     """bf16 x that TMA can read (16-byte-aligned base and row stride), and cuda-python to launch with."""
-    if not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.data_ptr() % 16 == 0 and (x.stride(0) * 2) % 16 == 0):
+    aligned = x.data_ptr() % 16 == 0 and (x.stride(0) * 2) % 16 == 0
+    if not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and aligned):
         return False
     return _have_cuda_python()
 
@@ -195,7 +198,7 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
             0 if bias is None else bias.data_ptr(), y.data_ptr(),
             np.int32(m), np.int32(n), np.int32(kp // K_STEP), np.int32(y.stride(0)), np.int32(m_tiles),
             np.int32(n_tiles), np.int32(cfg.group_m or default_group_m(cfg.block_m, kp)))
-    nvrtc.launch(_kernel(name, device), clusters=m_tiles * -(-n_tiles // cfg.cluster), cluster=cfg.cluster, block=THREADS,
-                 smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
+    nvrtc.launch(_kernel(name, device), clusters=m_tiles * -(-n_tiles // cfg.cluster), cluster=cfg.cluster,
+                 block=THREADS, smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
                  stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)
     return y
