@@ -178,13 +178,15 @@ def bench_quantize(m=8192, k=8192, formats=FORMATS, tiles=(None,)):
 
 
 def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
-    """Time tile configurations (DecodeConfig, WgmmaConfig or DequantConfig fields) of the decode, wgmma or
-    dequantize (+ cuBLAS) path."""
+    """Time tile configurations (DecodeConfig, WgmmaConfig, WsConfig or DequantConfig fields) of the decode,
+    wgmma, wgmma_ws or dequantize (+ cuBLAS) path."""
     from microscale.kernels import sm90
     from microscale.kernels.sm90 import launch as paths
+    from microscale.kernels.sm90 import wgmma_ws
     from microscale.kernels.sm90.decode import FMT_CODE
     config_class, run = {"decode": (paths.DecodeConfig, paths.decode_gemm),
                          "wgmma": (paths.WgmmaConfig, paths.wgmma_gemm),
+                         "wgmma_ws": (wgmma_ws.WsConfig, wgmma_ws.wgmma_ws_gemm),
                          "dequant": (paths.DequantConfig, lambda *a: paths.dequant_gemm(*a[:-1], cfg=a[-1]))}[kernel]
     _, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
@@ -423,8 +425,9 @@ def main():
     p.add_argument("--shapes", default=";".join(f"{n},{k}" for n, k in SHAPES))
     p.add_argument("--fp8", action="store_true", help="also time the opt-in FP8 path for MX formats at M >= 512")
     p.add_argument("--kernel", help="time this sm90 kernel instead of the dispatch rule's choice")
-    p.add_argument("--sweep", action="store_true", help="tile sweep of the decode kernel (or --kernel wgmma|dequant, "
-                   "or --kernel quantize with grid keys block_m, blocks, num_warps, spread) instead of the benchmark")
+    p.add_argument("--sweep", action="store_true",
+                   help="tile sweep of the decode kernel (or --kernel wgmma|wgmma_ws|dequant, or --kernel quantize "
+                   "with grid keys block_m, blocks, num_warps, spread) instead of the benchmark")
     p.add_argument("--sweep-grid", default='{"block_m": [8, 16], "reps": [1, 2], "unroll": [2, 4], '
                    '"depth": [1, 2, 3], "ctas_per_sm": [2, 4, 8]}',
                    help="JSON {DecodeConfig field: [values]}: the sweep times every combination")
