@@ -64,6 +64,15 @@ __device__ __forceinline__ void mbar_arrive_in(u32 bar, u32 rank) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(map_to_rank(bar, rank)) : "memory");
 }
 
+// A consumer warp's release of a ring stage, in every CTA of the cluster (their x shares land in each).
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(u32 bar, int lane) {
+  if (lane < CLUSTER) {
+    if constexpr (CLUSTER == 1) mbar_arrive(bar);
+    else mbar_arrive_in(bar, lane);
+  }
+}
+
 // A TMA box into the same shared-memory offset of every CTA of the cluster, completing on each one's `bar`.
 template <int CLUSTER>
 __device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int x, int y, u32 bar) {
@@ -165,65 +174,38 @@ __device__ __forceinline__ void decode_step(u32 w_addr, u32 s_addr, u32 (&pair)[
   }
 }
 
-template <int FMT, int BM, int STAGES, int CLUSTER>
-__device__ __forceinline__ void consume(u32 smem, u32 full, u32 empty, const float* __restrict__ row_mult,
-                                        const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT,
-                                        int ldy, int m_tile, int n_tile, bool has_weights) {
-  using L = Smem<FMT, BM, STAGES>;
+// The tile a cluster runs at position `tile` of the tile order: one m tile, CLUSTER consecutive n tiles
+// (past n_tiles when they do not divide: such a CTA still loads and multicasts its share of x, but
+// reads no weights and writes nothing). The order runs through groups of group_m m tiles, m fastest
+// within a group, so the CTAs resident at once share an L2-sized slice of x rather than streaming all
+// of a large x from memory for every n tile.
+struct Tile {
+  int m, n;
+};
+
+template <int CLUSTER>
+__device__ __forceinline__ Tile tile_at(int tile, u32 rank, int m_tiles, int n_tiles, int group_m) {
+  const int per_group = group_m * ((n_tiles + CLUSTER - 1) / CLUSTER);
+  const int first_m = tile / per_group * group_m;
+  const int group_rows = min(m_tiles - first_m, group_m);
+  return {first_m + tile % per_group % group_rows, tile % per_group / group_rows * CLUSTER + static_cast<int>(rank)};
+}
+
+// acc[4i + 2h + c]: weight row 16 wq + g + 8h of the warpgroup, activation row 8i + 2t + c
+template <int BM>
+__device__ __forceinline__ void store_tile(const float (&acc)[BM / 2], const float* __restrict__ row_mult,
+                                           const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int ldy,
+                                           Tile tile) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wg = warp / 4, wq = warp % 4, rg = warp;  // row group rg = 16 weight rows
   const int g = lane / 4, t = lane % 4;
-  const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (t / 2);  // MX: lanes 2j, 2j+1 share a block of 32
-  const u32 a_tiles = smem + L::A_OFF + wg * 2 * A_TILE_BYTES;
-  float acc[BM / 2];  // not zeroed: the first wgmma ignores it (scale-d 0), and an instruction writing
-                     // the accumulators between wgmmas would make ptxas serialize them
-
-  for (int kt = 0; kt < KT; ++kt) {
-    const int stage = kt % STAGES;
-    mbar_wait(full + 8 * stage, (kt / STAGES) & 1);
-    u32 pair[2][2][4];
-    const u32 words = smem + L::W_OFF + stage * L::W_BYTES + rg * DATA_BYTES<FMT> + lane * (DATA_BYTES<FMT> / 32);
-    decode_step<FMT>(words, smem + L::S_OFF + stage * L::S_BYTES + rg * SCALE_BYTES<FMT> + scale_lane * 2, pair);
-    const u32 a = a_tiles + (kt & 1) * A_TILE_BYTES;
-#pragma unroll
-    for (int rsel = 0; rsel < 2; ++rsel) {
-      const u32 row = a + (16 * wq + 8 * rsel + g) * X_ROW_BYTES;
-#pragma unroll
-      for (int i2 = 0; i2 < 2; ++i2) {
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
-                     :: "r"(row + (((2 * t + i2) ^ g) << 4)), "r"(pair[rsel][i2][0]), "r"(pair[rsel][i2][1]),
-                        "r"(pair[rsel][i2][2]), "r"(pair[rsel][i2][3]) : "memory");
-      }
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic-proxy stores -> wgmma reads
-    named_barrier_sync(1 + wg, 128);
-    const u32 x_stage = smem + L::X_OFF + stage * L::X_BYTES;
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      wgmma_bf16<BM>(acc, smem_desc_128b(a + 32 * c), smem_desc_128b(x_stage + 32 * c), kt > 0 || c > 0);
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-    if (kt > 0 && lane < CLUSTER) {  // step kt - 1's stage is read: release it in every CTA of the cluster
-      const u32 bar = empty + 8 * ((kt - 1) % STAGES);
-      if constexpr (CLUSTER == 1) mbar_arrive(bar);
-      else mbar_arrive_in(bar, lane);
-    }
-  }
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-  fence_accumulators<BM>(acc);
-  if (!has_weights) return;
-
-  // acc[4i + 2h + c]: weight row 16 wq + g + 8h of the warpgroup, activation row 8i + 2t + c
-  const int n0 = n_tile * ROWS + 64 * wg + 16 * wq + g;
+  const int n0 = tile.n * ROWS + 16 * warp + g;
   float mult[2], add[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     mult[h] = row_mult[n0 + 8 * h];
     if (bias != nullptr && n0 + 8 * h < N) add[h] = __uint_as_float(static_cast<u32>(bias[n0 + 8 * h]) << 16);
   }
-  const int m0 = m_tile * BM + 2 * t;
+  const int m0 = tile.m * BM + 2 * t;
 #pragma unroll
   for (int i = 0; i < BM / 8; ++i) {
 #pragma unroll
@@ -237,6 +219,9 @@ __device__ __forceinline__ void consume(u32 smem, u32 full, u32 empty, const flo
   }
 }
 
+// Persistent: cluster c runs tiles c, c + clusters, ... of the tile order. The producer and the consumers
+// count K steps across tiles (`it`), so while the consumers store one tile the producer already fills
+// the ring with the next one's first steps.
 template <int FMT, int BM, int STAGES, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
 wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, const float* __restrict__ row_mult,
@@ -247,18 +232,8 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, c
   const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
   const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // a cluster: one m tile, CLUSTER consecutive n tiles (past n_tiles when they do not divide: such a CTA
-  // still loads and multicasts its share of x, but reads no weights and writes nothing). Clusters run
-  // through groups of group_m m tiles, m fastest within a group, so the CTAs resident at once share
-  // an L2-sized slice of x rather than streaming all of a large x from memory for every n tile.
-  const int cluster_id = blockIdx.x / CLUSTER;
   const u32 rank = CLUSTER == 1 ? 0 : cluster_rank();
-  const int per_group = group_m * ((n_tiles + CLUSTER - 1) / CLUSTER);
-  const int first_m = cluster_id / per_group * group_m;
-  const int group_rows = min(m_tiles - first_m, group_m);
-  const int m_tile = first_m + cluster_id % per_group % group_rows;
-  const int n_tile = cluster_id % per_group / group_rows * CLUSTER + rank;
-  const bool has_weights = n_tile < n_tiles;
+  const int clusters = gridDim.x / CLUSTER, tiles = m_tiles * ((n_tiles + CLUSTER - 1) / CLUSTER);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -270,6 +245,7 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, c
   if constexpr (CLUSTER > 1) cluster_sync();  // peers' barriers exist before anything arrives on them
   else __syncthreads();
 
+  int it = 0;  // K steps run so far, over all tiles: ring stage it % STAGES, phase (it / STAGES) & 1
   if (warp == PRODUCER_WARP) {
     const u64* data_tmap = w_tmaps;  // words (256 bytes, DATA / 256, K steps, row groups)
     const u64* scale_tmap = w_tmaps + 16;  // scales (SCALE bytes, K steps, row groups)
@@ -280,24 +256,68 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, c
     }
     __syncwarp();
     const u64 policy = evict_first_policy();
-    for (int kt = 0; kt < KT; ++kt) {
-      const int stage = kt % STAGES;
-      const u32 f = full + 8 * stage;
-      mbar_wait(empty + 8 * stage, ((kt / STAGES) & 1) ^ 1);
-      if (lane == 0) {
-        mbar_arrive_expect_tx(f, has_weights ? L::STAGE_TX : L::X_BYTES);  // x bytes from every CTA
-        constexpr int SHARE = BM / CLUSTER;
-        tma_load_2d<CLUSTER>(smem + L::X_OFF + stage * L::X_BYTES + rank * SHARE * X_ROW_BYTES, x_tmap,
-                             kt * X_ROW_BYTES, m_tile * BM + rank * SHARE, f);
-        if (has_weights) {
-          tma_load_4d_hint(smem + L::W_OFF + stage * L::W_BYTES, data_tmap, 0, 0, kt, n_tile * 8, f, policy);
-          tma_load_3d_hint(smem + L::S_OFF + stage * L::S_BYTES, scale_tmap, 0, kt, n_tile * 8, f, policy);
+    for (int tile_id = blockIdx.x / CLUSTER; tile_id < tiles; tile_id += clusters) {
+      const Tile tile = tile_at<CLUSTER>(tile_id, rank, m_tiles, n_tiles, group_m);
+      const bool has_weights = tile.n < n_tiles;
+      for (int kt = 0; kt < KT; ++kt, ++it) {
+        const int stage = it % STAGES;
+        const u32 f = full + 8 * stage;
+        mbar_wait(empty + 8 * stage, ((it / STAGES) & 1) ^ 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(f, has_weights ? L::STAGE_TX : L::X_BYTES);  // x bytes from every CTA
+          constexpr int SHARE = BM / CLUSTER;
+          tma_load_2d<CLUSTER>(smem + L::X_OFF + stage * L::X_BYTES + rank * SHARE * X_ROW_BYTES, x_tmap,
+                               kt * X_ROW_BYTES, tile.m * BM + rank * SHARE, f);
+          if (has_weights) {
+            tma_load_4d_hint(smem + L::W_OFF + stage * L::W_BYTES, data_tmap, 0, 0, kt, tile.n * 8, f, policy);
+            tma_load_3d_hint(smem + L::S_OFF + stage * L::S_BYTES, scale_tmap, 0, kt, tile.n * 8, f, policy);
+          }
         }
       }
     }
   } else {
-    consume<FMT, BM, STAGES, CLUSTER>(smem, full, empty, row_mult, bias, y, M, N, KT, ldy, m_tile, n_tile,
-                                      has_weights);
+    const int wg = warp / 4, wq = warp % 4, rg = warp;  // row group rg = 16 weight rows
+    const int g = lane / 4, t = lane % 4;
+    const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (t / 2);  // MX: lanes 2j, 2j+1 share a block of 32
+    const u32 a_tiles = smem + L::A_OFF + wg * 2 * A_TILE_BYTES;
+    float acc[BM / 2];  // not zeroed: each tile's first wgmma ignores it (scale-d 0), and an instruction
+                       // writing the accumulators between wgmmas would make ptxas serialize them
+    for (int tile_id = blockIdx.x / CLUSTER; tile_id < tiles; tile_id += clusters) {
+      const Tile tile = tile_at<CLUSTER>(tile_id, rank, m_tiles, n_tiles, group_m);
+      for (int kt = 0; kt < KT; ++kt, ++it) {
+        const int stage = it % STAGES;
+        mbar_wait(full + 8 * stage, (it / STAGES) & 1);
+        u32 pair[2][2][4];
+        const u32 words = smem + L::W_OFF + stage * L::W_BYTES + rg * DATA_BYTES<FMT> + lane * (DATA_BYTES<FMT> / 32);
+        decode_step<FMT>(words, smem + L::S_OFF + stage * L::S_BYTES + rg * SCALE_BYTES<FMT> + scale_lane * 2, pair);
+        const u32 a = a_tiles + (it & 1) * A_TILE_BYTES;
+#pragma unroll
+        for (int rsel = 0; rsel < 2; ++rsel) {
+          const u32 row = a + (16 * wq + 8 * rsel + g) * X_ROW_BYTES;
+#pragma unroll
+          for (int i2 = 0; i2 < 2; ++i2) {
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                         :: "r"(row + (((2 * t + i2) ^ g) << 4)), "r"(pair[rsel][i2][0]), "r"(pair[rsel][i2][1]),
+                            "r"(pair[rsel][i2][2]), "r"(pair[rsel][i2][3]) : "memory");
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic-proxy stores -> wgmma reads
+        named_barrier_sync(1 + wg, 128);
+        const u32 x_stage = smem + L::X_OFF + stage * L::X_BYTES;
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          wgmma_bf16<BM>(acc, smem_desc_128b(a + 32 * c), smem_desc_128b(x_stage + 32 * c), kt > 0 || c > 0);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        if (kt > 0) release_stage<CLUSTER>(empty + 8 * ((it - 1) % STAGES), lane);  // step it - 1 is read
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      fence_accumulators<BM>(acc);
+      release_stage<CLUSTER>(empty + 8 * ((it - 1) % STAGES), lane);  // the tile's last step
+      if (tile.n < n_tiles) store_tile<BM>(acc, row_mult, bias, y, M, N, ldy, tile);
+    }
   }
   if constexpr (CLUSTER > 1) cluster_sync();  // no CTA leaves while a peer may still signal its barriers
 }

@@ -37,6 +37,7 @@ class WsConfig:
     stages: int = 4  # ring depth (NVFP4 at M = 2048-4096 on the H200: 4 stages 2-4% faster than 5, 3 slower)
     cluster: int = 2  # CTAs (consecutive row tiles) sharing one load of their activation rows
     group_m: int = 0  # m tiles per group of the tile order; 0 = about 16 MB of x (default_group_m)
+    clusters: int = 0  # clusters launched, each running tiles until none are left; 0 = one per SM (pair)
 
     def smem_bytes(self, fmt_code: int) -> int:
         """Smem<FMT, BM, STAGES>::BYTES of the kernel source: the ring, four A tiles, barriers, alignment slack."""
@@ -161,6 +162,11 @@ def default_group_m(block_m: int, kp: int) -> int:
     return max(1, (16 << 20) // (block_m * kp * 2))
 
 
+@lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def supports(x: torch.Tensor) -> bool:
     """bf16 x that TMA can read (16-byte-aligned base and row stride), and cuda-python to launch with."""
     aligned = x.data_ptr() % 16 == 0 and (x.stride(0) * 2) % 16 == 0
@@ -198,7 +204,9 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
             0 if bias is None else bias.data_ptr(), y.data_ptr(),
             np.int32(m), np.int32(n), np.int32(kp // K_STEP), np.int32(y.stride(0)), np.int32(m_tiles),
             np.int32(n_tiles), np.int32(cfg.group_m or default_group_m(cfg.block_m, kp)))
-    nvrtc.launch(_kernel(name, device), clusters=m_tiles * -(-n_tiles // cfg.cluster), cluster=cfg.cluster,
+    tiles = m_tiles * -(-n_tiles // cfg.cluster)
+    clusters = min(tiles, cfg.clusters or _sm_count(device) // cfg.cluster)
+    nvrtc.launch(_kernel(name, device), clusters=clusters, cluster=cfg.cluster,
                  block=THREADS, smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
                  stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)
     return y
