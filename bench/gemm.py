@@ -374,7 +374,8 @@ def plot(results: dict, path: str):
                          and r.get("speedup_vs_bf16")), key=lambda r: r["M"])
             fastest = {}  # per M, the fastest bf16-activation kernel measured (several at some M)
             for r in rs:
-                if r["backend"] != "sm90:fp8" and r["speedup_vs_bf16"] > fastest.get(r["M"], {}).get("speedup_vs_bf16", 0):
+                best = fastest.get(r["M"])
+                if r["backend"] != "sm90:fp8" and (best is None or r["speedup_vs_bf16"] > best["speedup_vs_bf16"]):
                     fastest[r["M"]] = r
             default = [fastest[m] for m in sorted(fastest)]
             fp8 = [r for r in rs if r["backend"] == "sm90:fp8"]

@@ -28,6 +28,8 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 1024, {}, torch.float16) == "dequant"
     assert sm90.choose_kernel("nvfp4", 1024, {}, cc=(8, 9)) == "dequant"
     assert sm90.choose_kernel("nvfp4", 1024, {}, cc=(12, 0)) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 1024, {}, tma_ready=False) == "dequant"  # x TMA cannot read
+    assert sm90.choose_kernel("nvfp4", 512, {}, tma_ready=False) == "wgmma"
     assert sm90.choose_kernel("mxfp4", 4096, {"fp8_activations": True}) == "fp8"
     assert sm90.choose_kernel("mxfp4", sm90.FP8_MIN_M - 1, {"fp8_activations": True}) == "wgmma_ws"
     assert sm90.choose_kernel("mxfp4", 2 * sm90.FP8_MIN_M, {"fp8_activations": True}, cc=(8, 9)) == "fp8"

@@ -70,10 +70,11 @@ def unprepare(prepared, fmt, shape, global_scale=None) -> QTensor:
     return unshuffle_weights(*prepared, fmt, shape, global_scale)
 
 
-def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0), n: int = 8192) -> str:
+def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0), n: int = 8192,
+                  tma_ready: bool = True) -> str:
     """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins.
     dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90, FP8 sm_89);
-    n: the weight's rows."""
+    n: the weight's rows; tma_ready: whether wgmma_ws can take these activations (wgmma_ws.supports)."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
     if forced:
         if forced not in KERNELS:
@@ -88,11 +89,12 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
         kernel = "fp8"
     elif m <= DECODE_MAX_M:
         kernel = "decode"
-    elif dtype == torch.bfloat16 and cc[0] == 9 and WS_MIN_M <= m <= WS_MAX_M[fmt] and \
-            -(-m // 256) * -(-n // 128) >= WS_MIN_TILES:
-        kernel = "wgmma_ws"
-    elif dtype == torch.bfloat16 and cc[0] == 9 and m <= WGMMA_MAX_M:
-        kernel = "wgmma"
+    elif dtype == torch.bfloat16 and cc[0] == 9:
+        ws_tiles = -(-m // wgmma_ws.WsConfig.block_m) * -(-n // wgmma_ws.ROWS)
+        if tma_ready and WS_MIN_M <= m <= WS_MAX_M[fmt] and ws_tiles >= WS_MIN_TILES:
+            kernel = "wgmma_ws"
+        else:
+            kernel = "wgmma" if m <= WGMMA_MAX_M else "dequant"
     else:
         kernel = "dequant"
     if kernel == "fp8" and tuple(cc) < (8, 9):
@@ -114,9 +116,8 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
         return x2d.new_empty(0, n)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n)
-    if kernel == "wgmma_ws" and not (options or {}).get("kernel") and not wgmma_ws.supports(x2d):
-        kernel = "dequant"  # chosen by the rule, not asked for: an x TMA cannot read takes the fallback
+    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n,
+                           wgmma_ws.supports(x2d))
     run = {"decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm, "wgmma_ws": wgmma_ws.wgmma_ws_gemm,
            "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
     return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
