@@ -93,7 +93,8 @@ def _nvrtc_compile(source: str, arch: str, names: tuple, label: str) -> tuple:
     return bytes(cubin), symbols, log.getvalue().replace("\x00", "")
 
 
-def compile_kernels(names, *, arch: str = DEFAULT_ARCH, source: str = None, label: str = SOURCE_PATH.name) -> CompiledKernels:
+def compile_kernels(names, *, arch: str = DEFAULT_ARCH, source: str = None,
+                    label: str = SOURCE_PATH.name) -> CompiledKernels:
     """Compile the template instantiations `names` (C++ name expressions) of the kernel source (default:
     tcgen05_gemm.cuh; `label` names a given source in errors)."""
     source = COMMON_PATH.read_text() + "\n" + (SOURCE_PATH.read_text() if source is None else source)

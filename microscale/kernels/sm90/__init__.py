@@ -116,8 +116,8 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
         return x2d.new_empty(0, n)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n,
-                           wgmma_ws.supports(x2d))
+    tma_ready = m > DECODE_MAX_M and wgmma_ws.supports(x2d)  # not asked on the decode path (per token)
+    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n, tma_ready)
     run = {"decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm, "wgmma_ws": wgmma_ws.wgmma_ws_gemm,
            "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
     return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
