@@ -43,7 +43,7 @@ def measure():
         preps = gemm._copies(lambda: tuple(t.clone() for t in prep), nbytes)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         for split in [0, 1, 2, 4, 8] if k == 8192 else [0]:
-            cfg = dataclasses.replace(launch.decode_config(1, n, 0), split=split)
+            cfg = dataclasses.replace(launch.decode_config(1, n, k, 0), split=split)
             us = gemm._time_graph(lambda p: launch.decode_gemm(x, *p, None, 0, n, k, cfg), preps)
             recs.append({"op": "nvfp4", "N": n, "K": k, "split": split, "MB": nbytes / 1e6, "us": us,
                          "TBps": nbytes / us / 1e6})

@@ -70,7 +70,7 @@ def wave_fill(m, n, k=8192):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     us = gemm._time_graph(lambda p: launch.decode_gemm(x, *p, None, 0, n, k), copies)
     # the grid decode_gemm launched: its split rule, with the residency it cached for this tile
-    cfg = launch.decode_config(m, n, 0)
+    cfg = launch.decode_config(m, n, k, 0)
     resident = next(v for key, v in launch._RESIDENT.items()
                     if dict(key[1])["BMX"] == cfg.block_m and dict(key[1])["R"] == cfg.reps)
     sms = launch._sm_count(0)

@@ -10,7 +10,7 @@ data movement: every `convert_layout(..., assert_trivial=True)` below is checked
 be a renaming. The MMA computes y^T = W x^T (weights on the 16-row side, the few activation rows on
 the 8/16-wide side), so M = 1 costs as little tensor-core work as M = 8.
 
-The grid is (N tiles, K splits, M tiles). With K split in SPLIT parts, each program writes its fp32
+The grid is (M tiles, N tiles, K splits). With K split in SPLIT parts, each program writes its fp32
 partial tile to a workspace and takes a ticket; the last program of a tile sums the partials in
 split order (deterministic), applies the per-row factor and bias, writes y, and resets the ticket.
 """
@@ -233,9 +233,9 @@ def decode_gemm_kernel(
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     x_layout: gl.constexpr = _x_load_layout(NW, U, BMX)
 
-    pid_n = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    pid_m = gl.program_id(2)
+    pid_m = gl.program_id(0)  # fastest: the m tiles of a weight tile run together and share its L2 lines
+    pid_n = gl.program_id(1)
+    pid_s = gl.program_id(2)
     k_begin = pid_s * steps_per_split
     k_end = gl.minimum(k_begin + steps_per_split, KT)
     n_iter = gl.maximum(k_end - k_begin, 0) // U
@@ -277,7 +277,7 @@ def decode_gemm_kernel(
     n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
     _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, n_idx, m_idx, M, N, stride_ym, pid_s, n_split,
-            pid_m * gl.num_programs(0) + pid_n, HAS_BIAS, SPLIT)
+            pid_n * gl.num_programs(0) + pid_m, HAS_BIAS, SPLIT)
 
 
 @gluon.jit

@@ -45,7 +45,10 @@ class DecodeConfig:
         return ROW_GROUP * self.num_warps * self.reps
 
 
-def decode_config(m: int, n: int, fmt_code: int) -> DecodeConfig:
+SMALL_WEIGHT = 4096 * 4096  # elements: at M = 9-16 such a weight runs the M <= 8 tile over 8-row m tiles
+
+
+def decode_config(m: int, n: int, k: int, fmt_code: int) -> DecodeConfig:
     """Tile choice for the decode kernel, from the sweeps on the H200 (bench/gemm.py --sweep,
     bench/results/sweep_h200.json): up to 8 rows, 8 activation rows per program, 2 K steps per tile,
     2 tiles in flight, one 16-row group per warp, or two for FP4 weights at M = 2-8 and N >= 8192:
@@ -56,11 +59,15 @@ def decode_config(m: int, n: int, fmt_code: int) -> DecodeConfig:
     1-7% on two). MXFP8 at M = 2-8 keeps three tiles in flight (session 7, M = 8: 7-16% faster than
     two on all four shapes; at M = 1 neither won everywhere). Up to 16, two row groups per warp;
     above, 32 activation rows per program (M = 17 and 32 sweep, session 5: 2 K steps per tile, 2 in
-    flight, beat 1 per tile on 23 of 24 format x shape x M cases, by up to 45%)."""
-    if m <= 8:
+    flight, beat 1 per tile on 23 of 24 format x shape x M cases, by up to 45%).
+    At M = 9-16 a weight of at most SMALL_WEIGHT elements takes the M = 1 tile over two m tiles of 8
+    rows (the m tiles of a weight tile run side by side, so its second read comes from L2): at 4096 x
+    4096, M = 16, 9.5 / 11.4 us against 11.3 / 13.5 (NVFP4 / MXFP8, session 11, sweep runs 11a-b),
+    while at 8192 x 8192 and above the doubled decode made it 20-50% slower."""
+    if m <= 8 or (m <= 16 and n * k <= SMALL_WEIGHT):
         fp8 = fmt_code == decode.FMT_CODE["mxfp8"]
-        reps = 2 if 1 < m and n >= 8192 and not fp8 else 1
-        depth = 3 if 1 < m and fp8 else 2
+        reps = 2 if 1 < m <= 8 and n >= 8192 and not fp8 else 1
+        depth = 3 if 1 < m <= 8 and fp8 else 2
         return DecodeConfig(num_warps=4, block_m=8, reps=reps, unroll=2, depth=depth, ctas_per_sm=4)
     if m <= 16:
         return DecodeConfig(num_warps=4, block_m=16, reps=2, unroll=2, depth=1, ctas_per_sm=4)
@@ -132,7 +139,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
-    cfg = cfg or decode_config(m, n, fmt_code)
+    cfg = cfg or decode_config(m, n, k, fmt_code)
     if np_ % cfg.block_n:
         raise ValueError(f"decode tile of {cfg.block_n} rows does not divide the {np_} padded weight rows "
                          f"(16 x num_warps x reps must divide layout.ROW_ALIGN)")
@@ -158,7 +165,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     ws = workspace if workspace is not None else torch.empty(split * m * n if split > 1 else 1,
                                                              dtype=torch.float32, device=x.device)
     args[6], args[12], args[13] = ws, steps, split
-    kernel[(tiles_n, split, tiles_m)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps)
+    kernel[(tiles_m, tiles_n, split)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps)
     return y
 
 
