@@ -23,8 +23,9 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 256, {}, n=8192) == "wgmma"  # 64 tiles
     assert sm90.choose_kernel("nvfp4", 128, {}, n=28672) == "wgmma"
     assert sm90.choose_kernel("mxfp4", 2048, {}) == "wgmma_ws"
-    assert sm90.choose_kernel("mxfp8", 2048, {}) == "dequant"
-    assert sm90.choose_kernel("nvfp4", 4096, {}) == "dequant"
+    assert sm90.choose_kernel("mxfp8", 2048, {}) == "wgmma_ws"
+    assert sm90.choose_kernel("nvfp4", 4096, {}) == "wgmma_ws"
+    assert sm90.choose_kernel("mxfp8", 4097, {}) == "dequant"
     assert sm90.choose_kernel("nvfp4", 1024, {}, torch.float16) == "dequant"
     assert sm90.choose_kernel("nvfp4", 1024, {}, cc=(8, 9)) == "dequant"
     assert sm90.choose_kernel("nvfp4", 1024, {}, cc=(12, 0)) == "dequant"

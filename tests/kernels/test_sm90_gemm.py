@@ -91,7 +91,7 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
     from microscale.kernels.sm90.decode import FMT_CODE
     x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
     prep = prepare(q)
-    for cfg in (W.WsConfig(), W.WsConfig(cluster=1), W.WsConfig(block_m=128, cluster=4),
+    for cfg in (W.WsConfig(), W.WsConfig(cluster=2), W.WsConfig(block_m=128, cluster=4),
                 W.WsConfig(block_m=64, stages=2, cluster=1, group_m=3)):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         W.wgmma_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y)

@@ -23,8 +23,8 @@ from microscale.kernels.sm90 import wgmma_ws as W  # noqa: E402
 from microscale.kernels.sm90.decode import FMT_CODE  # noqa: E402
 from microscale.quant import quantize  # noqa: E402
 
-# what the tests of test_sm90_gemm.py launch: the default, no cluster, 4-CTA clusters, the smaller wgmmas
-CONFIGS = (W.WsConfig(), W.WsConfig(cluster=1), W.WsConfig(block_m=128, cluster=4),
+# what the tests of test_sm90_gemm.py launch: the default (no cluster), 2- and 4-CTA clusters, the smaller wgmmas
+CONFIGS = (W.WsConfig(), W.WsConfig(cluster=2), W.WsConfig(block_m=128, cluster=4),
            W.WsConfig(block_m=64, stages=2, cluster=1, group_m=3))
 MAX_REGISTERS = 65536 // W.THREADS // 8 * 8  # one CTA of 288 threads per SM
 

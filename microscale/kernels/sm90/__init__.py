@@ -13,9 +13,9 @@ unprepare: its inverse (layout.unshuffle_weights; bit-exact for what our quantiz
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
     "decode"  M <= DECODE_MAX_M: dequantize in registers into mma.sync (decode.py)
-    "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M[fmt] and at least WS_MIN_TILES
+    "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M and at least WS_MIN_TILES
               tiles of 256 x 128: the warp-specialized CUDA kernel (wgmma_ws.py: TMA producer warp,
-              two decoding warpgroups, clusters sharing the activations)
+              two decoding warpgroups)
     "wgmma"   otherwise M <= WGMMA_MAX_M, bf16 activations, sm_90: dequantize per K step into shared
               memory, wgmma (wgmma.py)
     "dequant" otherwise (larger M, fp16/fp32 activations, other architectures, x that TMA cannot
@@ -41,13 +41,14 @@ NAME = "sm90"
 DECODE_MAX_M = 32
 WGMMA_MAX_M = 512
 FP8_MIN_M = 1024
-# wgmma_ws where it measured fastest (bench/results/gemm_h200.json, session 10): from M = 256 when its
+# wgmma_ws where it measured fastest (bench/results/gemm_h200.json, sessions 10-11): from M = 256 when its
 # 256 x 128 tiles fill about one wave of 132 SMs (M = 256, N = 28672: 0.97x cuBLAS bf16 against 0.59x for
-# wgmma; with 64 tiles the two are level); up to M = 2048 for FP4 weights and 1024 for MXFP8, above
-# which dequant + cuBLAS wins (its extra pass over W shrinks against the GEMM as M grows)
+# wgmma; with 64 tiles the two are level); up to M = 4096, where it beats dequant + cuBLAS on 10 of 12
+# format x shape cases (MXFP8 4096x4096 and 8192x8192 4-5% slower); at M = 8192 dequant's extra pass over
+# W has shrunk against the GEMM and it wins on 10 of 12
 WS_MIN_M = 256
 WS_MIN_TILES = 128
-WS_MAX_M = {"nvfp4": 2048, "mxfp4": 2048, "mxfp8": 1024}
+WS_MAX_M = 4096
 KERNELS = ("decode", "wgmma", "wgmma_ws", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
 
@@ -91,7 +92,7 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
         kernel = "decode"
     elif dtype == torch.bfloat16 and cc[0] == 9:
         ws_tiles = -(-m // wgmma_ws.WsConfig.block_m) * -(-n // wgmma_ws.ROWS)
-        if tma_ready and WS_MIN_M <= m <= WS_MAX_M[fmt] and ws_tiles >= WS_MIN_TILES:
+        if tma_ready and WS_MIN_M <= m <= WS_MAX_M and ws_tiles >= WS_MIN_TILES:
             kernel = "wgmma_ws"
         else:
             kernel = "wgmma" if m <= WGMMA_MAX_M else "dequant"

@@ -5,7 +5,8 @@
 // W is in the Hopper layout of layout.py (pre-shuffled words, rebased block scales, per-row factor).
 // A CTA owns 128 weight rows and BM activation rows and walks K in steps of 64. The CLUSTER CTAs of a
 // cluster share their activation rows: each loads BM / CLUSTER of them and multicasts them to all, so
-// x crosses from L2 once per cluster (2 CTAs: 1-3% faster than none on the H200).
+// x crosses from L2 once per cluster. On the H200 pairs measured 0-17% slower than single CTAs
+// (session 11, 34 of 36 cases at M = 512-2048), so WsConfig's default is CLUSTER = 1.
 //   warp 8     producer: per step its share of the x box (128 bytes of K, 128B swizzle) and the step's
 //              weight words and scale bytes of the 8 row groups (one TMA box each), into a STAGES-deep ring
 //              with full/empty mbarriers; a stage is refilled once the consumers of every CTA of the
