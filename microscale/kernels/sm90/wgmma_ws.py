@@ -36,7 +36,7 @@ class WsConfig:
     block_m: int = 256  # activation rows per CTA: the wgmma's N (64, 128 or 256)
     stages: int = 4  # ring depth (NVFP4 at M = 2048-4096 on the H200: 4 stages 2-4% faster than 5, 3 slower)
     # CTAs (consecutive row tiles) sharing one load of their activation rows by TMA multicast; alone, 0-17% faster
-    # on 34 of 36 format x shape x M cases at M = 512-2048 than pairs (session 11, sweep run 11c)
+    # on 34 of 36 format x shape x M cases at M = 512-2048 than pairs (session 11, sweep runs 11c-11d)
     cluster: int = 1
     group_m: int = 0  # m tiles per group of the tile order; 0 = about 16 MB of x (default_group_m)
 
