@@ -56,7 +56,8 @@ def test_decode_kernel(fmt, m, n, k, seed):
                # 3 tiles in flight with 1..5 tiles per split: the remainder steps after the rotation
                paths.DecodeConfig(unroll=1, depth=3, split=max(1, k // 256)), paths.DecodeConfig(depth=3, split=2),
                paths.DecodeConfig(num_warps=2, reps=4, block_m=16, depth=2),
-               paths.DecodeConfig(block_m=8, reps=2, depth=2)]  # decode_config's FP4 tile at M = 2-8, N >= 8192
+               paths.DecodeConfig(block_m=8, reps=2, depth=2),  # decode_config's FP4 tile at M = 2-8, N >= 8192
+               paths.DecodeConfig(block_m=16, reps=2, depth=1)]  # its tile at M = 9-16 on weights above 4096 x 4096
     for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ws = torch.full((64 * m * n,), float("nan"), device="cuda")

@@ -312,20 +312,21 @@ def test_split_stops_at_one_full_wave():
 def test_decode_config_tiles_fit_the_padded_rows(fmt):
     """Every tile decode_config picks divides the row padding (else decode_gemm refuses the weight),
     and the two-row-group tile for M = 2-8 goes only where the session-6 sweep measured it faster:
-    FP4 weights, N >= 8192; three tiles in flight only for MXFP8 at M = 2-8 (session 7); at M = 9-16
+    FP4 weights, N >= 8192; MXFP8 up to M = 8 with one tile in flight and 8 programs per SM; at M = 9-16
     weights of at most 4096 x 4096 take the M = 1 tile over 8-row m tiles (session 11; docstring)."""
     from microscale.kernels.sm90.decode import FMT_CODE
     from microscale.kernels.sm90.launch import DecodeConfig, decode_config
     from microscale.kernels.sm90.layout import ROW_ALIGN
 
-    m1_tile = DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=2, ctas_per_sm=4)
+    fp8 = fmt == "mxfp8"
+    m1_tile = DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=1 if fp8 else 2, ctas_per_sm=8 if fp8 else 4)
     for m in range(1, 65):
         for n, k in ((128, 256), (4096, 4096), (4096, 4160), (8192, 8192), (28672, 8192)):
             cfg = decode_config(m, n, k, FMT_CODE[fmt])
             assert ROW_ALIGN % cfg.block_n == 0, (m, n, cfg)
             if m <= 8:
-                assert cfg.reps == (2 if 1 < m and n >= 8192 and fmt != "mxfp8" else 1), (m, n, cfg)
-                assert cfg.depth == (3 if 1 < m and fmt == "mxfp8" else 2), (m, n, cfg)
+                assert cfg.reps == (2 if 1 < m and n >= 8192 and not fp8 else 1), (m, n, cfg)
+                assert (cfg.depth, cfg.ctas_per_sm) == ((1, 8) if fp8 else (2, 4)), (m, n, cfg)
             if 8 < m <= 16 and n * k <= 4096 * 4096:
                 assert cfg == m1_tile, (m, n, k, cfg)
             elif m > 8:

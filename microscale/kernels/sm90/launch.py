@@ -56,8 +56,10 @@ def decode_config(m: int, n: int, k: int, fmt_code: int) -> DecodeConfig:
     for that (session 6, NVFP4 and MXFP4, M = 2-8: 5-9% faster at 8192x8192, 5-23% on the two
     larger shapes, 11-13% slower at 4096x4096, where half as many row tiles leave each split program
     one K trip; MXFP8, whose weight tiles take twice the registers, gained on one shape and lost
-    1-7% on two). MXFP8 at M = 2-8 keeps three tiles in flight (session 7, M = 8: 7-16% faster than
-    two on all four shapes; at M = 1 neither won everywhere). Up to 16, two row groups per warp;
+    1-7% on two). MXFP8 up to M = 8 keeps one tile in flight and aims at 8 programs per SM (session 11,
+    interleaved A/B against cuBLAS: M = 1 7-10% faster than two tiles at 4 per SM on three shapes, M = 2
+    and 8 up to 7% faster than session 7's three tiles in flight, elsewhere level). Up to 16, two row
+    groups per warp;
     above, 32 activation rows per program (M = 17 and 32 sweep, session 5: 2 K steps per tile, 2 in
     flight, beat 1 per tile on 23 of 24 format x shape x M cases, by up to 45%).
     At M = 9-16 a weight of at most SMALL_WEIGHT elements takes the M = 1 tile over two m tiles of 8
@@ -67,8 +69,8 @@ def decode_config(m: int, n: int, k: int, fmt_code: int) -> DecodeConfig:
     if m <= 8 or (m <= 16 and n * k <= SMALL_WEIGHT):
         fp8 = fmt_code == decode.FMT_CODE["mxfp8"]
         reps = 2 if 1 < m <= 8 and n >= 8192 and not fp8 else 1
-        depth = 3 if 1 < m <= 8 and fp8 else 2
-        return DecodeConfig(num_warps=4, block_m=8, reps=reps, unroll=2, depth=depth, ctas_per_sm=4)
+        return DecodeConfig(num_warps=4, block_m=8, reps=reps, unroll=2, depth=1 if fp8 else 2,
+                            ctas_per_sm=8 if fp8 else 4)
     if m <= 16:
         return DecodeConfig(num_warps=4, block_m=16, reps=2, unroll=2, depth=1, ctas_per_sm=4)
     return DecodeConfig(block_m=32, reps=2, unroll=2, depth=2, ctas_per_sm=2)
