@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("cuda.core")
 pytest.importorskip("triton")
 
-from microscale.kernels.sm100 import nvrtc  # noqa: E402
+from microscale.kernels import nvrtc  # noqa: E402
 from microscale.kernels.sm90 import prepare  # noqa: E402
 from microscale.kernels.sm90 import wgmma_ws as W  # noqa: E402
 from microscale.kernels.sm90.decode import FMT_CODE  # noqa: E402
@@ -61,6 +61,16 @@ def test_sass_holds_the_pipeline(build, fmt, cfg):
     res = resources[symbol]
     assert res["REG"] <= MAX_REGISTERS and res.get("LOCAL", 0) == 0, res
     assert cfg.smem_bytes(FMT_CODE[fmt]) <= W.SMEM_LIMIT
+
+
+def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkeypatch):
+    """WsConfig.smem_bytes (what the launch asks for) must equal the source's Smem<>::BYTES: one more
+    byte fails the build, naming the mismatch."""
+    monkeypatch.setenv("MICROSCALE_CACHE_DIR", str(tmp_path))
+    cfg = W.WsConfig(stages=3)
+    monkeypatch.setattr(W.WsConfig, "smem_bytes", lambda self, fmt_code: W.SMEM_LIMIT - 1)
+    with pytest.raises(RuntimeError, match="WsConfig.smem_bytes differs"):
+        W._compiled.__wrapped__(((0, cfg),))
 
 
 def test_config_over_the_shared_memory_limit_is_refused():

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("cuda.core")
 pytest.importorskip("triton")
 
-from microscale.kernels.sm100 import nvrtc  # noqa: E402
+from microscale.kernels import nvrtc  # noqa: E402
 from microscale.kernels.sm100 import tcgen05_backend as T  # noqa: E402
 
 # SASS (Blackwell) for each PTX operation the kernel is built from.
@@ -114,14 +114,15 @@ def test_disk_cache_hits_without_nvrtc_and_publishes_whole_files(tmp_path, monke
 
 def test_compile_errors_name_the_source_and_arch(tmp_path, monkeypatch):
     monkeypatch.setenv("MICROSCALE_CACHE_DIR", str(tmp_path))
-    with pytest.raises(RuntimeError, match=r"tcgen05_gemm.cuh for sm_100a"):
-        nvrtc.compile_kernels(["broken"], source='extern "C" __global__ void broken() { undeclared(); }')
+    with pytest.raises(RuntimeError, match=r"broken.cuh for sm_100a"):
+        nvrtc.compile_kernels(["broken"], source='extern "C" __global__ void broken() { undeclared(); }',
+                              label="broken.cuh")
 
 
 def test_launch_arguments_follow_the_kernel_signature():
     """Names, order and types of T.KERNEL_PARAMS against the C++ declaration (a swap would go unseen
     until a B200 run otherwise)."""
-    src = nvrtc.SOURCE_PATH.read_text()
+    src = T.SOURCE_PATH.read_text()
     start = src.index("tcgen05_block_scaled_gemm(") + len("tcgen05_block_scaled_gemm(")
     decl = re.sub(r"//[^\n]*", "", src[start:src.index(") {", start)])
     params = []

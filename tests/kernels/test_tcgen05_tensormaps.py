@@ -102,7 +102,7 @@ def probe(tmp_path_factory):
         pytest.skip("TMA needs compute capability 9.0 or newer")
     mp = pytest.MonkeyPatch()
     mp.setenv("MICROSCALE_CACHE_DIR", str(tmp_path_factory.mktemp("nvrtc-cache")))
-    compiled = T.nvrtc.compile_kernels(T.PROBE_NAMES, arch=f"sm_{major}{minor}a")
+    compiled = T.compile_source(T.PROBE_NAMES, arch=f"sm_{major}{minor}a")
     torch.cuda.init()
     index = torch.cuda.current_device()
     kernels = {rank: T.nvrtc.load_kernel(compiled, name, index) for rank, name in zip((2, 3), T.PROBE_NAMES)}

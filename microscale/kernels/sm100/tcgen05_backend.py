@@ -20,6 +20,7 @@ small problem per format and variant against the reference on that device.
 
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -30,10 +31,11 @@ from ...formats.spec import get_format
 from ...formats.tensor import QTensor
 from ..dispatch import Backend, compute_capability, register
 from ..selftest import selftest_passed
+from .. import nvrtc
 from . import descriptors as D
-from . import nvrtc
 from .operands import pad_codes, prepare_weight
 
+SOURCE_PATH = Path(__file__).with_name("tcgen05_gemm.cuh")
 NAME = "sm100-nvrtc"
 FORMAT_INDEX = {"nvfp4": 0, "mxfp4": 1, "mxfp8": 2}  # the kernel's FMT template parameter
 BLOCK_M = 128
@@ -106,7 +108,12 @@ PROBE_NAMES = ("ms::tma_box_probe<2>", "ms::tma_box_probe<3>")  # tensor-map che
 @lru_cache(maxsize=None)
 def compiled(arch: str = nvrtc.DEFAULT_ARCH) -> nvrtc.CompiledKernels:
     """Every variant in one NVRTC program, cached on disk."""
-    return nvrtc.compile_kernels(tuple(v.name_expression for v in VARIANTS.values()), arch=arch)
+    return compile_source(tuple(v.name_expression for v in VARIANTS.values()), arch)
+
+
+def compile_source(names, arch: str) -> nvrtc.CompiledKernels:
+    """The instantiations `names` of tcgen05_gemm.cuh (kernel variants or the TMA probes)."""
+    return nvrtc.compile_kernels(names, source=SOURCE_PATH.read_text(), label=SOURCE_PATH.name, arch=arch)
 
 
 @lru_cache(maxsize=None)

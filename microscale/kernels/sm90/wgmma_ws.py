@@ -1,6 +1,6 @@
 """Host side of the warp-specialized dequantize + wgmma GEMM (wgmma_ws.cuh), for large M on sm_90a.
 
-The kernel is CUDA C++ compiled at run time by NVRTC (kernels/sm100/nvrtc.py: cubins cached on disk)
+The kernel is CUDA C++ compiled at run time by NVRTC (kernels/nvrtc.py: cubins cached on disk)
 because it needs what Triton's Gluon did not give the kernel of wgmma.py: a producer warp feeding a
 shared-memory ring by TMA while two warpgroups decode and keep their wgmmas in flight. The source is
 completed here: the decode routines come from decode.py (one PTX text for every kernel) and the
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..sm100 import nvrtc
+from .. import nvrtc
 from . import decode
 from .layout import K_STEP, padded_shape
 
@@ -84,17 +84,22 @@ def name_expression(fmt_code: int, cfg: WsConfig) -> str:
 
 
 @lru_cache(maxsize=None)
-def _compiled(names: tuple) -> nvrtc.CompiledKernels:
-    return nvrtc.compile_kernels(names, arch=ARCH, source=source(), label=SOURCE_PATH.name)
+def _compiled(variants: tuple) -> nvrtc.CompiledKernels:
+    """The kernels of (fmt_code, WsConfig) variants. The launch asks for WsConfig.smem_bytes of shared
+    memory, which mirrors the source's Smem<>::BYTES: a static_assert per variant keeps them equal."""
+    checks = [f"static_assert(ms90::Smem<{f}, {c.block_m}, {c.stages}>::BYTES == {c.smem_bytes(f)}, "
+              f"\"WsConfig.smem_bytes differs from Smem<{f}, {c.block_m}, {c.stages}>::BYTES\");" for f, c in variants]
+    return nvrtc.compile_kernels(tuple(name_expression(f, c) for f, c in variants),
+                                 source=source() + "\n" + "\n".join(checks) + "\n", label=SOURCE_PATH.name, arch=ARCH)
 
 
 def compile_all(fmts=(0, 1, 2), configs=(WsConfig(),)) -> nvrtc.CompiledKernels:
-    return _compiled(tuple(name_expression(f, c) for f in fmts for c in configs))
+    return _compiled(tuple((f, c) for f in fmts for c in configs))
 
 
 @lru_cache(maxsize=None)
-def _kernel(name: str, device_index: int):
-    return nvrtc.load_kernel(_compiled((name,)), name, device_index)
+def _kernel(fmt_code: int, cfg: WsConfig, device_index: int):
+    return nvrtc.load_kernel(_compiled(((fmt_code, cfg),)), name_expression(fmt_code, cfg), device_index)
 
 
 # Tensor maps in device memory, (specs, device index) -> (pinned host bytes, device copy). Only maps
@@ -193,14 +198,13 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
         bias = bias.to(torch.bfloat16).contiguous()
     m_tiles, n_tiles = -(-m // cfg.block_m), np_ // ROWS
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    name = name_expression(fmt_code, cfg)
     tmap = _device_maps((x_map_spec(x, cfg.block_m // cfg.cluster),), x.device)
     wmaps = _device_maps(weight_map_specs(data, scale, fmt_code), x.device, owner=data)
     args = (tmap.data_ptr(), wmaps.data_ptr(), row_mult.data_ptr(),
             0 if bias is None else bias.data_ptr(), y.data_ptr(),
             np.int32(m), np.int32(n), np.int32(kp // K_STEP), np.int32(y.stride(0)), np.int32(m_tiles),
             np.int32(n_tiles), np.int32(cfg.group_m or default_group_m(cfg.block_m, kp)))
-    nvrtc.launch(_kernel(name, device), clusters=m_tiles * -(-n_tiles // cfg.cluster), cluster=cfg.cluster,
+    nvrtc.launch(_kernel(fmt_code, cfg, device), clusters=m_tiles * -(-n_tiles // cfg.cluster), cluster=cfg.cluster,
                  block=THREADS, smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
                  stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)
     return y

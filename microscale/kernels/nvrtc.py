@@ -1,5 +1,5 @@
-"""Run-time compilation and launch of the hand-written kernels (sm100/tcgen05_gemm.cuh, sm90/wgmma_ws.cuh)
-through cuda-python.
+"""Run-time compilation and launch of the hand-written CUDA kernels (sm100/tcgen05_gemm.cuh,
+sm90/wgmma_ws.cuh) through cuda-python.
 
 - `compile_kernels`: NVRTC via cuda.core `Program` (no GPU needed), cubins cached on disk under a
   key of source hash + options + name expressions + NVRTC version, published atomically (rename).
@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-SOURCE_PATH = Path(__file__).with_name("tcgen05_gemm.cuh")
-COMMON_PATH = Path(__file__).parent.parent / "ptx_common.cuh"  # compiled in front of every kernel source
+COMMON_PATH = Path(__file__).with_name("ptx_common.cuh")  # compiled in front of every kernel source
 DEFAULT_ARCH = "sm_100a"
 COMPILE_OPTIONS = {"std": "c++17", "ptxas_options": "-v"}  # -v: registers and spills into the log
 
@@ -93,11 +92,11 @@ def _nvrtc_compile(source: str, arch: str, names: tuple, label: str) -> tuple:
     return bytes(cubin), symbols, log.getvalue().replace("\x00", "")
 
 
-def compile_kernels(names, *, arch: str = DEFAULT_ARCH, source: str = None,
-                    label: str = SOURCE_PATH.name) -> CompiledKernels:
-    """Compile the template instantiations `names` (C++ name expressions) of the kernel source (default:
-    tcgen05_gemm.cuh; `label` names a given source in errors)."""
-    source = COMMON_PATH.read_text() + "\n" + (SOURCE_PATH.read_text() if source is None else source)
+def compile_kernels(names, *, source: str, label: str = "kernel source",
+                    arch: str = DEFAULT_ARCH) -> CompiledKernels:
+    """Compile the template instantiations `names` (C++ name expressions) of `source`, after
+    ptx_common.cuh (`label` names the source in errors)."""
+    source = COMMON_PATH.read_text() + "\n" + source
     names = tuple(names)
     key = _cache_key(source, arch, names)
     directory = cache_dir()
