@@ -64,8 +64,8 @@ def test_sass_holds_the_pipeline(build, fmt, cfg):
 
 
 def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkeypatch):
-    """WsConfig.smem_bytes (what the launch asks for) must equal the source's Smem<>::BYTES: one more
-    byte fails the build, naming the mismatch."""
+    """WsConfig.smem_bytes (what the launch asks for) must equal the source's Smem<>::BYTES: any other
+    size fails the build, naming the mismatch."""
     monkeypatch.setenv("MICROSCALE_CACHE_DIR", str(tmp_path))
     cfg = W.WsConfig(stages=3)
     monkeypatch.setattr(W.WsConfig, "smem_bytes", lambda self, fmt_code: W.SMEM_LIMIT - 1)
