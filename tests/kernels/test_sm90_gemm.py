@@ -60,7 +60,7 @@ def test_decode_kernel(fmt, m, n, k, seed):
                paths.DecodeConfig(block_m=16, reps=2, depth=1)]  # its tile at M = 9-16 on weights above 4096 x 4096
     for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ws = torch.full((64 * m * n,), float("nan"), device="cuda")
+        ws = torch.full((1 << 20,), float("nan"), device="cuda")
         paths.decode_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)
         _check(y, y64, mag, k, torch.bfloat16)
 
@@ -76,7 +76,7 @@ def test_wgmma_kernel(fmt, m, n, k, seed):
                paths.WgmmaConfig(num_warps=4, block_m=128, depth=3, split=3)]  # split: 1..5 steps per program
     for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ws = torch.full((64 * m * n,), float("nan"), device="cuda")
+        ws = torch.full((1 << 20,), float("nan"), device="cuda")
         paths.wgmma_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)
         _check(y, y64, mag, k, torch.bfloat16)
 

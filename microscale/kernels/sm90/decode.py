@@ -274,40 +274,81 @@ def decode_gemm_kernel(
             acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
                             FULL_K)
 
-    n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    m_idx = pid_m * BMX + gl.arange(0, BMX, layout=gl.SliceLayout(0, mma))
-    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, n_idx, m_idx, M, N, stride_ym, pid_s, n_split,
-            pid_n * gl.num_programs(0) + pid_m, HAS_BIAS, SPLIT)
+    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, pid_s, n_split, HAS_BIAS, SPLIT)
+
+
+@gluon.constexpr_function
+def _fixup_layout(BN, BM, NW):
+    """Layout of the output tile [BN, BM] for the split-K fix-up and the epilogue: 4 consecutive rows n
+    per thread, lanes along n first. The workspace holds each partial tile m-major, so every access
+    is a 16-byte vector and a warp's accesses are contiguous (y's rows too, in 8-byte pieces)."""
+    lanes_n = min(32, BN // 4)
+    return gl.BlockedLayout([4, 1], [lanes_n, 32 // lanes_n], [1, NW], [0, 1])
 
 
 @gluon.jit
-def _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, n_idx, m_idx, M, N, stride_ym, pid_s, n_split, tile,
+def _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, pid_s, n_split,
             HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):
-    """y^T tile [n_idx, m_idx] = acc (times row_mult, plus bias). With SPLIT, acc is this program's
+    """y^T tile (pid_n, pid_m) = acc (times row_mult, plus bias). With SPLIT, acc is this program's
     partial over its K range: it goes to the workspace WS, and the last program of the tile (ticket
-    n_split - 1) sums the partials in split order (deterministic), writes y and resets the ticket."""
-    out_mask = (n_idx < N)[:, None] & (m_idx < M)[None, :]
+    n_split - 1) sums the partials in split order (deterministic), writes y and resets the ticket.
+
+    WS holds per tile and split one [BM, BN] partial, m-major (launch.split_workspace_elems). Tiles
+    wider than 8 columns go through _fixup_layout first: read in the MMA's layout, one scattered 4-byte
+    access per element, the fix-up took up to 6 us per call (M = 16, 4096 x 14336, 17 splits: 20.1 us
+    against 13.9 us with none, session 12). The 8-column tile of M <= 8 stays in the MMA's layout: the
+    shared memory of the conversion made MXFP8 at M = 1-4 (8 programs per SM) 3-15% slower."""
+    BN: gl.constexpr = acc.shape[0]
+    BM: gl.constexpr = acc.shape[1]
+    if BM > 8:
+        acc = gl.convert_layout(acc, _fixup_layout(BN, BM, gl.num_warps()))
+    layout: gl.constexpr = acc.type.layout
+    n_loc = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    m_loc = gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
+    n_idx = pid_n * BN + n_loc
+    m_idx = pid_m * BM + m_loc
     if SPLIT:
-        gl.store(WS + (pid_s * M + m_idx[None, :]).to(gl.int64) * N + n_idx[:, None], acc, mask=out_mask)
+        tile = pid_n * gl.num_programs(0) + pid_m
+        part = WS + (tile * n_split).to(gl.int64) * (BN * BM) + (m_loc * BN)[None, :] + n_loc[:, None]
+        m_ok = (m_idx < M)[None, :]  # rows n are padded to the tile: only columns past M are masked
+        gl.store(part + pid_s * (BN * BM), acc, mask=m_ok)
         gl.thread_barrier()  # every thread's partial is written before the ticket (release) is taken
         ticket = gl.atomic_add(TICKETS + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == n_split - 1:
-            acc = gl.zeros_like(acc)
-            for s in range(n_split):
-                acc += gl.load(WS + (s * M + m_idx[None, :]).to(gl.int64) * N + n_idx[:, None], mask=out_mask,
-                               other=0.0, cache_modifier=".cg")
-            _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, out_mask, stride_ym, N, HAS_BIAS)
+            acc = _sum_partials(part, m_ok, n_split, acc)
+            _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, M, N, stride_ym, HAS_BIAS)
             gl.store(TICKETS + tile, 0)
     else:
-        _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, out_mask, stride_ym, N, HAS_BIAS)
+        _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, M, N, stride_ym, HAS_BIAS)
 
 
 @gluon.jit
-def _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, out_mask, stride_ym, N, HAS_BIAS: gl.constexpr):
-    acc = acc * gl.load(ROW_MULT + n_idx, mask=n_idx < N, other=0.0)[:, None]
+def _sum_partials(part, m_ok, n_split, acc):
+    """The sum of the n_split partial tiles at part, in split order. Several are read at once (one read
+    per split is a chain of L2 round trips); reads past the last split repeat it and are not added."""
+    PER_THREAD: gl.constexpr = acc.shape[0] * acc.shape[1] // (32 * gl.num_warps())
+    LOADS: gl.constexpr = max(1, min(8, 64 // PER_THREAD))  # at most 64 registers of partials
+    total = gl.zeros_like(acc)
+    for s0 in range(0, n_split, LOADS):
+        parts = ()
+        for j in gl.static_range(LOADS):
+            s = gl.minimum(s0 + j, n_split - 1)
+            parts = parts + (gl.load(part + s * (acc.shape[0] * acc.shape[1]), mask=m_ok, other=0.0,
+                                     cache_modifier=".cg"),)
+        for j in gl.static_range(LOADS):
+            if s0 + j < n_split:
+                total += parts[j]
+    return total
+
+
+@gluon.jit
+def _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, M, N, stride_ym, HAS_BIAS: gl.constexpr):
+    n_ok = n_idx < N
+    acc = acc * gl.load(ROW_MULT + n_idx, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
-        acc += gl.load(BIAS + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
-    gl.store(Y + m_idx[None, :].to(gl.int64) * stride_ym + n_idx[:, None], acc.to(Y.dtype.element_ty), mask=out_mask)
+        acc += gl.load(BIAS + n_idx, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+    gl.store(Y + m_idx[None, :].to(gl.int64) * stride_ym + n_idx[:, None], acc.to(Y.dtype.element_ty),
+             mask=n_ok[:, None] & (m_idx < M)[None, :])
 
 
 # ---- dequantize in registers, write the full tile: bf16 weights for cuBLAS, or E4M3 for the FP8 path ----

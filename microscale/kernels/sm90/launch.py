@@ -135,6 +135,21 @@ def _tickets(device, count: int) -> torch.Tensor:
     return t
 
 
+def split_workspace_elems(tiles: int, split: int, tile_elems: int) -> int:
+    """fp32 elements of the split-K workspace: one partial output tile per tile and split."""
+    return tiles * split * tile_elems if split > 1 else 1
+
+
+def _split_workspace(workspace, tiles: int, split: int, tile_elems: int, device) -> torch.Tensor:
+    need = split_workspace_elems(tiles, split, tile_elems)
+    if workspace is None:
+        return torch.empty(need, dtype=torch.float32, device=device)
+    if workspace.dtype != torch.float32 or workspace.numel() < need:
+        raise ValueError(f"split-K workspace: need {need} float32 elements ({tiles} tiles x {split} splits x "
+                         f"{tile_elems}), got {workspace.numel()} {workspace.dtype}")
+    return workspace
+
+
 def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: DecodeConfig = None,
                 out=None, workspace=None):
     """out / workspace: preallocated y [M, N] and fp32 split-K buffer (tests poison them)."""
@@ -164,8 +179,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     split = _split_for(cfg, tiles_n * tiles_m, kt // cfg.unroll // 4, sms, resident)  # >= 4 loop trips per program
     steps = triton.cdiv(triton.cdiv(kt, split), cfg.unroll) * cfg.unroll
     split = triton.cdiv(kt, steps)
-    ws = workspace if workspace is not None else torch.empty(split * m * n if split > 1 else 1,
-                                                             dtype=torch.float32, device=x.device)
+    ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.block_m, x.device)
     args[6], args[12], args[13] = ws, steps, split
     kernel[(tiles_m, tiles_n, split)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps)
     return y
@@ -200,8 +214,7 @@ def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cf
     steps = triton.cdiv(kt, split)
     split = triton.cdiv(kt, steps)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    ws = workspace if workspace is not None else torch.empty(split * m * n if split > 1 else 1,
-                                                             dtype=torch.float32, device=x.device)
+    ws = _split_workspace(workspace, tiles_m * tiles_n, split, ROW_GROUP * cfg.num_warps * cfg.block_m, x.device)
     wgmma.wgmma_gemm_kernel[(tiles_m, tiles_n, split)](
         x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, _tickets(x.device, tiles_m * tiles_n),
         m, n, k, kt, steps, split, x.stride(0), y.stride(0),

@@ -102,10 +102,4 @@ def wgmma_gemm_kernel(
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
-    # epilogue in a layout whose threads run along N, so y's rows are written in contiguous pieces
-    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, NW], [0, 1])
-    acc = gl.convert_layout(acc, out_layout)
-    n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
-    m_idx = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
-    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, n_idx, m_idx, M, N, stride_ym, pid_s, n_split,
-            pid_n * gl.num_programs(0) + pid_m, HAS_BIAS, SPLIT)
+    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, pid_s, n_split, HAS_BIAS, SPLIT)
