@@ -199,7 +199,7 @@ def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
         expected = run(x, *prep, None, FMT_CODE[fmt], n, k, config_class()).float()
         for c in configs:
             cfg = config_class(**c)
-            if kernel == "decode" and cfg.block_m > max(8, 2 * m):  # smaller: several m tiles
+            if kernel == "decode" and (cfg.block_m > max(8, 2 * m) or cfg.reps % cfg.parts):  # smaller: several m tiles
                 continue
             rec = {"op": "sweep", "kernel": kernel, "format": fmt, "M": m, "N": n, "K": k, **c, "us": None,
                    "rel_diff_vs_default": None}

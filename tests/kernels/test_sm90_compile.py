@@ -44,15 +44,20 @@ def _ops(sass):
     return re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
 
 
+@pytest.mark.parametrize("reps,parts", [(1, 1), (2, 2)])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
-def test_decode_kernel_sass(fmt, tmp_path):
-    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2)
+def test_decode_kernel_sass(fmt, reps, parts, tmp_path):
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=reps, U=2, BMX=8, DEPTH=2,
+                      FULL_K=False, KP=parts)
     ops = _ops(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED,
                      tmp_path))
     assert "LDG.E.EF.128" in ops and "LDG.E.128" in ops  # 16-byte loads: weights (evict-first) and activations
     assert any(o.startswith("HMMA.16816.F32.BF16") for o in ops)
     assert any(o.startswith("HMUL2.BF16") for o in ops)  # block scale on bf16x2 pairs
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"
+    if parts > 1:  # the parts meet through lane shuffles; shared memory only broadcasts the ticket (one store)
+        assert any(o.startswith("SHFL.BFLY") for o in ops)
+        assert sum(o.startswith("STS") for o in ops) == 1
 
 
 @pytest.mark.parametrize("cc", [80, 120])
@@ -60,7 +65,8 @@ def test_decode_kernel_sass(fmt, tmp_path):
 def test_decode_and_dequant_kernels_build_for_sm80_and_sm120(fmt, cc):
     """The backend also serves sm_80-sm_89 and sm_120 (behind the first-use self-test): the decode
     and dequantize kernels must build there (mma.sync and the bf16x2 decode exist on both)."""
-    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2)
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=1, U=2, BMX=8, DEPTH=2,
+                      FULL_K=True, KP=1)
     signature = {**DECODE_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     src = GluonASTSource(decode.decode_gemm_kernel, signature=signature, constexprs=constexprs)
     assert "mma.sync" in triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4}).asm["ptx"]

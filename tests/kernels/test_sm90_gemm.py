@@ -14,6 +14,7 @@ of the tiles, K a multiple of the block but not of the 64/256 tile).
 import pytest
 import torch
 
+from microscale.kernels.sm90.layout import padded_shape
 from microscale.quant import quantize
 
 pytestmark = pytest.mark.gpu
@@ -56,9 +57,15 @@ def test_decode_kernel(fmt, m, n, k, seed):
                # 3 tiles in flight with 1..5 tiles per split: the remainder steps after the rotation
                paths.DecodeConfig(unroll=1, depth=3, split=max(1, k // 256)), paths.DecodeConfig(depth=3, split=2),
                paths.DecodeConfig(num_warps=2, reps=4, block_m=16, depth=2),
-               paths.DecodeConfig(block_m=8, reps=2, depth=2),  # decode_config's FP4 tile at M = 2-8, N >= 8192
-               paths.DecodeConfig(block_m=16, reps=2, depth=1)]  # its tile at M = 9-16 on weights above 4096 x 4096
+               paths.DecodeConfig(block_m=8, reps=2, depth=2),  # two row groups per warp, one K part
+               paths.DecodeConfig(block_m=16, reps=2, depth=1),  # its tile at M = 9-16 on weights above 4096 x 4096
+               # K parts: 2 x 4 and 4 x 2 activation rows per program (several m tiles above), with a split
+               paths.DecodeConfig(block_m=8, reps=2, parts=2), paths.DecodeConfig(block_m=8, reps=4, parts=4, split=2),
+               paths.DecodeConfig(num_warps=2, block_m=8, reps=4, parts=2, depth=1, unroll=1)]
+    kt = padded_shape(n, k)[1] // 64
     for cfg in configs:
+        if cfg and kt % (cfg.parts * cfg.unroll):  # K = 2080 pads to 33 steps: no parts
+            continue
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ws = torch.full((1 << 20,), float("nan"), device="cuda")
         paths.decode_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)
@@ -138,7 +145,6 @@ def test_decode_kernel_fp16_activations(fmt, seed):
 def test_dequant_cublas(fmt, m, n, k, seed):
     from microscale.kernels.sm90 import launch as paths, prepare
     from microscale.kernels.sm90.decode import FMT_CODE
-    from microscale.kernels.sm90.layout import padded_shape
     x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
     prep = prepare(q)
     for cfg in (paths.DequantConfig(), paths.DequantConfig(reps=2, unroll=4), paths.DequantConfig(num_warps=8, unroll=1)):
@@ -188,7 +194,6 @@ def test_fp8_path(fmt, seed):
 def test_fp8_transcode_exact_and_counted(seed):
     """MXFP4 rows whose block exponents span <= 14 binades transcode exactly; wider spans are counted."""
     from microscale.kernels.sm90 import launch as paths, prepare
-    from microscale.kernels.sm90.layout import padded_shape
     n, k = 128, 512
     w = torch.randn(n, k, device="cuda")
     w[:64] *= torch.exp2(torch.randint(-6, 7, (64, k // 32), device="cuda").float()).repeat_interleave(32, 1)

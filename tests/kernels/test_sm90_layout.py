@@ -263,10 +263,27 @@ def test_decode_unroll_must_divide_the_padded_k(unroll, k):
     from microscale.kernels.sm90.layout import padded_shape
 
     kp = padded_shape(100, k)[1]
-    with pytest.raises(ValueError, match=f"unroll={unroll}: K steps per tile must divide the {kp // 64} steps of 64 "
-                                         f"of the padded K={kp}"):
+    with pytest.raises(ValueError, match=f"unroll={unroll}, parts=1: K steps per tile times parts must divide the "
+                                         f"{kp // 64} steps of 64 of the padded K={kp}"):
         launch.decode_gemm(torch.zeros(1, k, dtype=torch.bfloat16), None, None, None, None, 0, 100, k,
                            launch.DecodeConfig(unroll=unroll))
+
+
+def test_decode_parts_must_divide_the_tile_and_k():
+    """K parts come out of a warp's row groups and the MMA's columns, and each part takes an equal
+    share of the padded K in whole tiles (K = 576 pads to 640: 10 steps, not 4 parts of 2 x 64)."""
+    from microscale.kernels.sm90 import launch
+
+    x = torch.zeros(1, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="parts=2 must divide reps=1 and block_m=8"):
+        launch.decode_gemm(x, None, None, None, None, 0, 100, 576, launch.DecodeConfig(reps=1, block_m=8, parts=2))
+    with pytest.raises(ValueError, match="parts=4 must divide reps=4 and block_m=2"):
+        launch.decode_gemm(x, None, None, None, None, 0, 100, 576, launch.DecodeConfig(reps=4, block_m=2, parts=4))
+    with pytest.raises(ValueError, match="unroll=1, parts=4: K steps per tile times parts must divide the 10 steps"):
+        launch.decode_gemm(x, None, None, None, None, 0, 100, 576,
+                           launch.DecodeConfig(num_warps=2, reps=4, block_m=8, unroll=1, parts=4))
+    cfg = launch.DecodeConfig(num_warps=4, reps=4, block_m=8, parts=4)
+    assert (cfg.block_n, cfg.rows_m) == (64, 2)
 
 
 def test_dequantize_tile_must_divide_the_weight():
@@ -327,27 +344,33 @@ def test_split_workspace_size_is_checked():
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_decode_config_tiles_fit_the_padded_rows(fmt):
-    """Every tile decode_config picks divides the row padding (else decode_gemm refuses the weight),
-    and the two-row-group tile for M = 2-8 goes only where the session-6 sweep measured it faster:
-    FP4 weights, N >= 8192; MXFP8 up to M = 8 with one tile in flight and 8 programs per SM; at M = 9-16
-    weights of at most 4096 x 4096 take the M = 1 tile over 8-row m tiles (session 11; docstring)."""
+    """Every tile decode_config picks divides the row padding and K (else decode_gemm refuses the
+    weight), and each tile goes where the sweeps measured it (decode_config's docstring): two K parts
+    for FP4 at M <= 4 unless the weight is wide and large (28672 x 8192) or its padded K is not a
+    multiple of 4 steps of 64; the FP4 M = 1 tile with two tiles in flight otherwise; one tile in
+    flight at 8 programs per SM for the rest up to M = 8 and for M = 9-16 on small weights."""
     from microscale.kernels.sm90.decode import FMT_CODE
     from microscale.kernels.sm90.launch import DecodeConfig, decode_config
-    from microscale.kernels.sm90.layout import ROW_ALIGN
+    from microscale.kernels.sm90.layout import ROW_ALIGN, padded_shape
 
-    fp8 = fmt == "mxfp8"
-    m1_tile = DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=1 if fp8 else 2, ctas_per_sm=8 if fp8 else 4)
+    fp4 = fmt != "mxfp8"
+    parts_tile = DecodeConfig(num_warps=4, block_m=8, reps=2, parts=2, unroll=2, depth=1, ctas_per_sm=4)
+    m1_tile = DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=2, ctas_per_sm=4)
+    small_tile = DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=1, ctas_per_sm=8)
     for m in range(1, 65):
-        for n, k in ((128, 256), (4096, 4096), (4096, 4160), (8192, 8192), (28672, 8192)):
+        for n, k in ((128, 256), (4096, 4096), (4096, 4160), (8192, 8192), (8192, 28672), (28672, 8192), (28672, 4096)):
             cfg = decode_config(m, n, k, FMT_CODE[fmt])
-            assert ROW_ALIGN % cfg.block_n == 0, (m, n, cfg)
-            if m <= 8:
-                assert cfg.reps == (2 if 1 < m and n >= 8192 and not fp8 else 1), (m, n, cfg)
-                assert (cfg.depth, cfg.ctas_per_sm) == ((1, 8) if fp8 else (2, 4)), (m, n, cfg)
-            if 8 < m <= 16 and n * k <= 4096 * 4096:
+            kt = padded_shape(n, k)[1] // 64
+            assert ROW_ALIGN % cfg.block_n == 0 and kt % (cfg.unroll * cfg.parts) == 0, (m, n, k, cfg)
+            wide = (n, k) == (28672, 8192)
+            if fp4 and m <= 4 and not wide and k != 4160:  # 4160 pads to 4224: 66 steps
+                assert cfg == parts_tile, (m, n, k, cfg)
+            elif fp4 and m == 1:
                 assert cfg == m1_tile, (m, n, k, cfg)
-            elif m > 8:
-                assert cfg.block_m >= min(m, 32), (m, n, k, cfg)
+            elif m <= 8 or (m <= 16 and n * k <= 4096 * 4096):
+                assert cfg == small_tile, (m, n, k, cfg)
+            else:
+                assert cfg.parts == 1 and cfg.block_m >= min(m, 32), (m, n, k, cfg)
 
 
 def test_dequant_chunk_rows_rule():

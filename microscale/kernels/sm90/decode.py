@@ -163,22 +163,55 @@ def _dequant_tile(w, s, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
 
 
 @gluon.jit
-def _weight_tile_pointers(W, S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr):
+def _weight_tile_pointers(W, S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
+                          KP: gl.constexpr = 1, part_steps=0):
     """Base pointers of row tile pid_n and per-lane offsets of its word tile [RG, U, 32, WORDS] (int32)
-    and scale tile [RG, U, 32, 2] (bytes) within one K step; _load_w adds the K step."""
+    and scale tile [RG, U, 32, 2] (bytes) within one K step; _load_w adds the K step.
+
+    With KP K parts, tile row group rg = r NW + w (rep r of warp w) is row group (r // KP) NW + w of
+    the RG // KP the program covers, at K step offset (r % KP) * part_steps."""
     WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
     SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32  # scale bytes per row group and K step
     w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
-    w_off = (w_rg * KT + w_u) * (32 * WORDS) + w_lane * WORDS + w_q
+    w_off = (_part_row_group(w_rg, NW, KP) * KT + _part_of(w_rg, NW, KP) * part_steps + w_u) * (32 * WORDS) \
+        + w_lane * WORDS + w_q
     s_rg, s_u, s_lane, s_rsel = _tile_index(s_layout, RG, U, 2)
     if FMT != 0:
         s_lane = (s_lane >> 2) * 2 + ((s_lane & 3) >> 1)  # lanes 2j, 2j+1 share a block of 32
-    s_off = (s_rg * KT + s_u) * SCALE_BYTES + s_lane * 2 + s_rsel
-    W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * RG).to(gl.int64) * KT * (32 * WORDS)
-    S_base = S + (pid_n * RG).to(gl.int64) * KT * SCALE_BYTES
+    s_off = (_part_row_group(s_rg, NW, KP) * KT + _part_of(s_rg, NW, KP) * part_steps + s_u) * SCALE_BYTES \
+        + s_lane * 2 + s_rsel
+    W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * (RG // KP)).to(gl.int64) * KT * (32 * WORDS)
+    S_base = S + (pid_n * (RG // KP)).to(gl.int64) * KT * SCALE_BYTES
     return W_base, w_off, S_base, s_off
+
+
+@gluon.jit
+def _part_of(rg, NW: gl.constexpr, KP: gl.constexpr):
+    """K part of tile row group rg = r NW + w: r % KP."""
+    return (rg // NW) % KP
+
+
+@gluon.jit
+def _part_row_group(rg, NW: gl.constexpr, KP: gl.constexpr):
+    """Row group (of the program's RG // KP) of tile row group rg = r NW + w: (r // KP) NW + w."""
+    return (rg // (NW * KP)) * NW + rg % NW
+
+
+@gluon.jit
+def _sum_parts(acc, NW: gl.constexpr, KP: gl.constexpr):
+    """acc [RG*16, KP*MP] of a program with K parts: rows (r, w, i) of part r % KP times activation
+    columns (p, m) of part p -> y^T tile [RG/KP*16, MP], the sum over p of the rows of part p times the
+    columns of part p. Registers and lanes only: a thread holds every rep of its rows."""
+    ROWS: gl.constexpr = acc.shape[0]
+    MP: gl.constexpr = acc.shape[1] // KP
+    layout: gl.constexpr = acc.type.layout
+    row = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    col = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    own = _part_of(row // ROW_GROUP, NW, KP)[:, None] == (col // MP)[None, :]
+    acc = gl.where(own, acc, 0.0).reshape(ROWS // (KP * NW * ROW_GROUP), KP, NW * ROW_GROUP, KP, MP)
+    return gl.sum(gl.sum(acc, axis=3), axis=1).reshape(ROWS // KP, MP)
 
 
 @gluon.jit
@@ -199,13 +232,14 @@ def _mma_step(acc, w, s, x_ptr, x_k, kt, K, FMT: gl.constexpr, RG: gl.constexpr,
     x comes from L2 and is loaded here rather than prefetched: its latency hides behind the decode,
     and a prefetched activation tile would hold BMX rows of registers even for M = 1. Rows past M
     read row M - 1 again (x_ptr), so no load is masked by row; columns past K (only when K is not
-    the padded K, FULL_K false) must be zeros, as they meet zero weights.
+    the padded K, FULL_K false) must be zeros, as they meet zero weights: x_k [BMX, BK] is each
+    element's true k at step 0.
     """
     k0 = kt * K_STEP
     if FULL_K:
         x = gl.load(x_ptr + k0)
     else:
-        x = gl.load(x_ptr + k0, mask=(x_k[None, :] + k0 < K), other=0.0)
+        x = gl.load(x_ptr + k0, mask=(x_k + k0 < K), other=0.0)
     a = gl.convert_layout(_dequant_tile(w, s, FMT, RG, U), a_layout, assert_trivial=True)
     x_hi = x.to(gl.bfloat16)
     acc = gl.nvidia.ampere.mma_v2(a, _x_to_operand(x_hi, U, x.shape[0], b_layout), acc)
@@ -222,11 +256,12 @@ def decode_gemm_kernel(
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
-    FULL_K: gl.constexpr = False,
+    FULL_K: gl.constexpr, KP: gl.constexpr,
 ):
-    RG: gl.constexpr = NW * R  # 16-row groups per program
+    RG: gl.constexpr = NW * R  # 16-row groups of the MMA tile: RG // KP of the weight, KP K parts each
     BN: gl.constexpr = RG * ROW_GROUP
     BK: gl.constexpr = U * K_STEP
+    MP: gl.constexpr = BMX // KP  # activation rows per program
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
@@ -236,18 +271,22 @@ def decode_gemm_kernel(
     pid_m = gl.program_id(0)  # fastest: the m tiles of a weight tile run together and share its L2 lines
     pid_n = gl.program_id(1)
     pid_s = gl.program_id(2)
+    # K steps are counted within a part: part p adds p * part_steps in the pointers
+    part_steps = KT // KP
     k_begin = pid_s * steps_per_split
-    k_end = gl.minimum(k_begin + steps_per_split, KT)
+    k_end = gl.minimum(k_begin + steps_per_split, part_steps)
     n_iter = gl.maximum(k_end - k_begin, 0) // U
     k_last = gl.maximum(k_end - U, 0)
 
-    W_base, w_off, S_base, s_off = _weight_tile_pointers(W, S, pid_n, KT, FMT, NW, RG, U)
+    W_base, w_off, S_base, s_off = _weight_tile_pointers(W, S, pid_n, KT, FMT, NW, RG, U, KP, part_steps)
 
-    x_m = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout)) + pid_m * BMX
-    x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
+    # activation column c of the MMA is row m = pid_m * MP + c % MP of x, in K part c // MP
+    x_c = gl.arange(0, BMX, layout=gl.SliceLayout(1, x_layout))
+    x_m = pid_m * MP + x_c % MP
+    x_k = (x_c // MP * (part_steps * K_STEP))[:, None] + gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))[None, :]
     # rows past M repeat row M - 1: their columns of acc are never stored, and unmasked loads need
     # neither predicates nor zeroed registers
-    x_ptr = X + gl.minimum(x_m, M - 1)[:, None].to(gl.int64) * stride_xm + x_k[None, :]
+    x_ptr = X + gl.minimum(x_m, M - 1)[:, None].to(gl.int64) * stride_xm + x_k
 
     # K loop with DEPTH weight tiles in flight: each step issues the load DEPTH tiles ahead and consumes
     # the oldest. The trip is unrolled DEPTH times; as DEPTH + 1 tiles are live while a load is issued,
@@ -274,6 +313,8 @@ def decode_gemm_kernel(
             acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
                             FULL_K)
 
+    if KP > 1:
+        acc = _sum_parts(acc, NW, KP)
     _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, pid_s, n_split, HAS_BIAS, SPLIT)
 
 
@@ -326,8 +367,8 @@ def _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, 
 def _sum_partials(part, m_ok, n_split, acc):
     """The sum of the n_split partial tiles at part, in split order. Several are read at once (one read
     per split is a chain of L2 round trips); reads past the last split repeat it and are not added."""
-    PER_THREAD: gl.constexpr = acc.shape[0] * acc.shape[1] // (32 * gl.num_warps())
-    LOADS: gl.constexpr = max(1, min(8, 64 // PER_THREAD))  # at most 64 registers of partials
+    # at most 64 registers of partials per thread
+    LOADS: gl.constexpr = max(1, min(8, 64 * 32 * gl.num_warps() // (acc.shape[0] * acc.shape[1])))
     total = gl.zeros_like(acc)
     for s0 in range(0, n_split, LOADS):
         parts = ()

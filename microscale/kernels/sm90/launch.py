@@ -36,41 +36,56 @@ class DecodeConfig:
     reps: int = 2  # 16-row groups per warp: a program covers 16 * num_warps * reps rows
     unroll: int = 2  # K steps of 64 per tile
     depth: int = 2  # tiles in flight (loaded ahead of the one being multiplied)
-    block_m: int = 16  # activation rows per program (the MMA's N side: 8, 16 or 32)
+    block_m: int = 16  # the MMA's N side (8, 16 or 32): activation rows per program times parts
     split: int = 0  # K splits; 0 = chosen from the grid size
     ctas_per_sm: int = 4  # target programs per SM when the split is chosen
+    # K parts inside a program (dividing reps): a warp's row groups take parts of K, and each part's
+    # activation rows take block_m // parts columns of the MMA, so the parts are summed in registers
+    # instead of through the split-K workspace
+    parts: int = 1
 
     @property
     def block_n(self) -> int:
-        return ROW_GROUP * self.num_warps * self.reps
+        """Weight rows per program."""
+        return ROW_GROUP * self.num_warps * self.reps // self.parts
+
+    @property
+    def rows_m(self) -> int:
+        """Activation rows per program."""
+        return self.block_m // self.parts
 
 
 SMALL_WEIGHT = 4096 * 4096  # elements: at M = 9-16 such a weight runs the M <= 8 tile over 8-row m tiles
+WIDE_WEIGHT = 1 << 27  # elements: an FP4 weight this large with N > K keeps one K part per program at M <= 4
 
 
 def decode_config(m: int, n: int, k: int, fmt_code: int) -> DecodeConfig:
-    """Tile choice for the decode kernel, from the sweeps on the H200 (bench/gemm.py --sweep,
-    bench/results/sweep_h200.json): up to 8 rows, 8 activation rows per program, 2 K steps per tile,
-    2 tiles in flight, one 16-row group per warp, or two for FP4 weights at M = 2-8 and N >= 8192:
-    each warp loads the whole activation tile, and with real rows in it more weight rows per warp pay
-    for that (session 6, NVFP4 and MXFP4, M = 2-8: 5-9% faster at 8192x8192, 5-23% on the two
-    larger shapes, 11-13% slower at 4096x4096, where half as many row tiles leave each split program
-    one K trip; MXFP8, whose weight tiles take twice the registers, gained on one shape and lost
-    1-7% on two). MXFP8 up to M = 8 keeps one tile in flight and aims at 8 programs per SM (session 11,
-    interleaved A/B against cuBLAS: M = 1 7-10% faster than two tiles at 4 per SM on three shapes, M = 2
-    and 8 up to 7% faster than session 7's three tiles in flight, elsewhere level). Up to 16, two row
-    groups per warp;
-    above, 32 activation rows per program (M = 17 and 32 sweep, session 5: 2 K steps per tile, 2 in
-    flight, beat 1 per tile on 23 of 24 format x shape x M cases, by up to 45%).
-    At M = 9-16 a weight of at most SMALL_WEIGHT elements takes the M = 1 tile over two m tiles of 8
-    rows (the m tiles of a weight tile run side by side, so its second read comes from L2): at 4096 x
-    4096, M = 16, 9.5 / 11.4 us against 11.3 / 13.5 (NVFP4 / MXFP8, session 11, sweep runs 11a-b),
-    while at 8192 x 8192 and above the doubled decode made it 20-50% slower."""
+    """Tile choice for the decode kernel, from the sweeps and interleaved A/B runs on the H200
+    (bench/gemm.py --sweep, bench/results/sweep_h200.json; us are NVFP4 unless said).
+
+    Up to M = 8 (and M = 9-16 on weights of at most SMALL_WEIGHT elements): the MMA's 8 activation
+    columns, 2 K steps per tile. FP4 weights at M <= 4 take two K parts per program (two row groups
+    per warp, each in its own half of K, their activation rows in columns 0-3 and 4-7, summed in
+    registers): fewer K splits, so less split-K fix-up (session 12, runs 12d/12e: M = 1 8192x28672
+    38.0 -> 35.9 us, 4096x14336 13.9 -> 12.7, 8192x8192 14.4 -> 13.8; M = 2-4 4-10% faster), except
+    on weights above WIDE_WEIGHT with N > K (28672x8192: 37.4 -> 38.2), where the one-part tile keeps
+    twice the bytes in flight. Otherwise one row group per warp; at M = 1 (FP4) two tiles in flight
+    at about 4 programs per SM, else one tile at 8 per SM (MXFP8 M = 1, session 11: 7-10% faster than
+    two tiles at 4; FP4 M = 5-8, session 12: 3-9% faster than two row groups per warp with two tiles).
+    At M = 9-16 the small weight's 8-row m tiles run side by side (the second read of a weight tile
+    comes from L2): 4096x4096, M = 16, 9.5 / 11.4 us against 11.3 / 13.5 for the 16-column tile
+    (NVFP4 / MXFP8, session 11, runs 11a-b); on larger weights the doubled decode made it 20-50% slower.
+    M = 9-16 otherwise: 16 columns, two row groups per warp, one tile in flight. Above, 32 columns,
+    2 K steps per tile, 2 in flight (M = 17 and 32 sweep, session 5: beat 1 per tile on 23 of 24
+    format x shape x M cases, by up to 45%)."""
     if m <= 8 or (m <= 16 and n * k <= SMALL_WEIGHT):
-        fp8 = fmt_code == decode.FMT_CODE["mxfp8"]
-        reps = 2 if 1 < m <= 8 and n >= 8192 and not fp8 else 1
-        return DecodeConfig(num_warps=4, block_m=8, reps=reps, unroll=2, depth=1 if fp8 else 2,
-                            ctas_per_sm=8 if fp8 else 4)
+        fp4 = fmt_code != decode.FMT_CODE["mxfp8"]
+        kt = padded_shape(n, k)[1] // K_STEP
+        if fp4 and m <= 4 and kt % 4 == 0 and not (n * k > WIDE_WEIGHT and n > k):
+            return DecodeConfig(num_warps=4, block_m=8, reps=2, parts=2, unroll=2, depth=1, ctas_per_sm=4)
+        if fp4 and m == 1:
+            return DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=2, ctas_per_sm=4)
+        return DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=1, ctas_per_sm=8)
     if m <= 16:
         return DecodeConfig(num_warps=4, block_m=16, reps=2, unroll=2, depth=1, ctas_per_sm=4)
     return DecodeConfig(block_m=32, reps=2, unroll=2, depth=2, ctas_per_sm=2)
@@ -160,26 +175,28 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     if np_ % cfg.block_n:
         raise ValueError(f"decode tile of {cfg.block_n} rows does not divide the {np_} padded weight rows "
                          f"(16 x num_warps x reps must divide layout.ROW_ALIGN)")
-    if kt % cfg.unroll:  # else the last steps of K would be skipped
-        raise ValueError(f"DecodeConfig.unroll={cfg.unroll}: K steps per tile must divide the {kt} steps of "
-                         f"{K_STEP} of the padded K={kp}")
+    if cfg.reps % cfg.parts or cfg.block_m % cfg.parts:
+        raise ValueError(f"DecodeConfig.parts={cfg.parts} must divide reps={cfg.reps} and block_m={cfg.block_m}")
+    if kt % (cfg.unroll * cfg.parts):  # else the last steps of K would be skipped
+        raise ValueError(f"DecodeConfig.unroll={cfg.unroll}, parts={cfg.parts}: K steps per tile times parts must "
+                         f"divide the {kt} steps of {K_STEP} of the padded K={kp}")
+    part_steps = kt // cfg.parts
     tiles_n = np_ // cfg.block_n
-    tiles_m = triton.cdiv(m, cfg.block_m)
+    tiles_m = triton.cdiv(m, cfg.rows_m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     tickets = _tickets(x.device, tiles_n * tiles_m)
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
-                      U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth,
-                      FULL_K=k == kp)
+                      U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth, FULL_K=k == kp, KP=cfg.parts)
     # workspace (fp32), steps and split are placeholders until the split is known
     args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
     kernel = decode.decode_gemm_kernel
     resident = 0 if cfg.split else _resident_programs(kernel, args, constexprs, cfg.num_warps, x.device)
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    split = _split_for(cfg, tiles_n * tiles_m, kt // cfg.unroll // 4, sms, resident)  # >= 4 loop trips per program
-    steps = triton.cdiv(triton.cdiv(kt, split), cfg.unroll) * cfg.unroll
-    split = triton.cdiv(kt, steps)
-    ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.block_m, x.device)
+    split = _split_for(cfg, tiles_n * tiles_m, part_steps // cfg.unroll // 4, sms, resident)  # >= 4 loop trips
+    steps = triton.cdiv(triton.cdiv(part_steps, split), cfg.unroll) * cfg.unroll
+    split = triton.cdiv(part_steps, steps)
+    ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.rows_m, x.device)
     args[6], args[12], args[13] = ws, steps, split
     kernel[(tiles_m, tiles_n, split)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps)
     return y
