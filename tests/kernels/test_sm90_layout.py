@@ -347,8 +347,9 @@ def test_decode_config_tiles_fit_the_padded_rows(fmt):
     """Every tile decode_config picks divides the row padding and K (else decode_gemm refuses the
     weight), and each tile goes where the sweeps measured it (decode_config's docstring): two K parts
     for FP4 at M <= 4 unless the weight is wide and large (28672 x 8192) or its padded K is not a
-    multiple of 4 steps of 64; the FP4 M = 1 tile with two tiles in flight otherwise; one tile in
-    flight at 8 programs per SM for the rest up to M = 8 and for M = 9-16 on small weights."""
+    multiple of 4 steps of 64; else the FP4 tile with two tiles in flight at M = 1 and (small weights)
+    M = 9-16; one tile in flight at 8 programs per SM for the rest up to M = 8 and MXFP8 M = 9-16 on
+    small weights."""
     from microscale.kernels.sm90.decode import FMT_CODE
     from microscale.kernels.sm90.launch import DecodeConfig, decode_config
     from microscale.kernels.sm90.layout import ROW_ALIGN, padded_shape
@@ -365,7 +366,7 @@ def test_decode_config_tiles_fit_the_padded_rows(fmt):
             wide = (n, k) == (28672, 8192)
             if fp4 and m <= 4 and not wide and k != 4160:  # 4160 pads to 4224: 66 steps
                 assert cfg == parts_tile, (m, n, k, cfg)
-            elif fp4 and m == 1:
+            elif fp4 and (m == 1 or (8 < m <= 16 and n * k <= 4096 * 4096)):
                 assert cfg == m1_tile, (m, n, k, cfg)
             elif m <= 8 or (m <= 16 and n * k <= 4096 * 4096):
                 assert cfg == small_tile, (m, n, k, cfg)

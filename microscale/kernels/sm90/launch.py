@@ -69,9 +69,10 @@ def decode_config(m: int, n: int, k: int, fmt_code: int) -> DecodeConfig:
     registers): fewer K splits, so less split-K fix-up (session 12, runs 12d/12e: M = 1 8192x28672
     38.0 -> 35.9 us, 4096x14336 13.9 -> 12.7, 8192x8192 14.4 -> 13.8; M = 2-4 4-10% faster), except
     on weights above WIDE_WEIGHT with N > K (28672x8192: 37.4 -> 38.2), where the one-part tile keeps
-    twice the bytes in flight. Otherwise one row group per warp; at M = 1 (FP4) two tiles in flight
-    at about 4 programs per SM, else one tile at 8 per SM (MXFP8 M = 1, session 11: 7-10% faster than
-    two tiles at 4; FP4 M = 5-8, session 12: 3-9% faster than two row groups per warp with two tiles).
+    twice the bytes in flight. Otherwise one row group per warp; FP4 at M = 1 and 9-16 two tiles in
+    flight at about 4 programs per SM, else one tile at 8 per SM (MXFP8 M = 1, session 11: 7-10%
+    faster than two tiles at 4; FP4 M = 5-8, session 12: 3-9% faster than two row groups per warp with
+    two tiles; FP4 M = 16 at 4096x4096: 9.6 against 9.1 us, benchmark of session 12 against 11).
     At M = 9-16 the small weight's 8-row m tiles run side by side (the second read of a weight tile
     comes from L2): 4096x4096, M = 16, 9.5 / 11.4 us against 11.3 / 13.5 for the 16-column tile
     (NVFP4 / MXFP8, session 11, runs 11a-b); on larger weights the doubled decode made it 20-50% slower.
@@ -83,7 +84,7 @@ def decode_config(m: int, n: int, k: int, fmt_code: int) -> DecodeConfig:
         kt = padded_shape(n, k)[1] // K_STEP
         if fp4 and m <= 4 and kt % 4 == 0 and not (n * k > WIDE_WEIGHT and n > k):
             return DecodeConfig(num_warps=4, block_m=8, reps=2, parts=2, unroll=2, depth=1, ctas_per_sm=4)
-        if fp4 and m == 1:
+        if fp4 and (m == 1 or m > 8):
             return DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=2, ctas_per_sm=4)
         return DecodeConfig(num_warps=4, block_m=8, reps=1, unroll=2, depth=1, ctas_per_sm=8)
     if m <= 16:
