@@ -72,7 +72,8 @@ def decode_config(m: int, n: int, k: int, fmt_code: int) -> DecodeConfig:
     twice the bytes in flight. Otherwise one row group per warp; FP4 at M = 1 and 9-16 two tiles in
     flight at about 4 programs per SM, else one tile at 8 per SM (MXFP8 M = 1, session 11: 7-10%
     faster than two tiles at 4; FP4 M = 5-8, session 12: 3-9% faster than two row groups per warp with
-    two tiles; FP4 M = 16 at 4096x4096: 9.6 against 9.1 us, benchmark of session 12 against 11).
+    two tiles; but FP4 M = 16 at 4096x4096 took 9.6 us with one tile at 8 per SM against 9.1 with
+    two at 4 in the session-12 benchmark).
     At M = 9-16 the small weight's 8-row m tiles run side by side (the second read of a weight tile
     comes from L2): 4096x4096, M = 16, 9.5 / 11.4 us against 11.3 / 13.5 for the 16-column tile
     (NVFP4 / MXFP8, session 11, runs 11a-b); on larger weights the doubled decode made it 20-50% slower.
@@ -175,7 +176,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     cfg = cfg or decode_config(m, n, k, fmt_code)
     if np_ % cfg.block_n:
         raise ValueError(f"decode tile of {cfg.block_n} rows does not divide the {np_} padded weight rows "
-                         f"(16 x num_warps x reps must divide layout.ROW_ALIGN)")
+                         f"(16 x num_warps x reps / parts must divide layout.ROW_ALIGN)")
     if cfg.reps % cfg.parts or cfg.block_m % cfg.parts:
         raise ValueError(f"DecodeConfig.parts={cfg.parts} must divide reps={cfg.reps} and block_m={cfg.block_m}")
     if kt % (cfg.unroll * cfg.parts):  # else the last steps of K would be skipped
