@@ -59,6 +59,7 @@ FORMATS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
 WAYS = ("graph", "compiled-graph", "generate", "fused")
 LINEAR_KERNEL_MARKS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul", "dequant", "_mm_")
 ATTENTION_KERNEL_MARKS = ("flash", "fmha", "attention", "sdpa", "attn")
+PROFILED_REPLAYS = 20  # graph replays under the profiler for the per-class breakdown of (b)-(d)
 MARKERS = ("<!-- e2e:begin (bench/e2e.py writes this section) -->", "<!-- e2e:end -->")
 
 
@@ -226,9 +227,14 @@ def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_t
     end.record()
     end.synchronize()
     ms = start.elapsed_time(end) / steps
+    out = {"ms_per_step": ms, "tokens_equal_eager": same, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "compiled_step": compile_step}
+    # where the step goes: kernel time per class over profiled replays; idle = step - kernel time (the
+    # gaps between kernels, which the graph does not remove)
+    out.update(gpu_breakdown(lambda: [graph.replay() for _ in range(PROFILED_REPLAYS)], PROFILED_REPLAYS))
+    out["idle_ms_per_step"] = ms - out["gpu_ms_per_step"]
     del graph
-    return {"ms_per_step": ms, "tokens_equal_eager": same, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "compiled_step": compile_step}
+    return out
 
 
 # ---- (a) transformers generate with a static cache and compiled decode -------------------------------
@@ -388,24 +394,29 @@ def markdown(results: dict) -> str:
         f"{c['prompt']}-token prompt: step time from token arrival times; GPU time from a profile of the same call "
         f"(kernel time / new tokens), host = step - GPU. (b) the whole decode step in one CUDA graph "
         f"(`StaticDecoder`), {c['steps']} replays; (c) the same with the step torch.compile'd before the capture; "
-        f"(d) (c) with q/k/v and gate/up each one GEMM over concatenated weights (`fuse_linears`; bf16 too); "
+        f"(d) (c) with q/k/v and gate/up each one GEMM over concatenated weights (`fuse_linears`; bf16 too), "
+        f"its GPU time per class from a profile of {PROFILED_REPLAYS} replays (linear includes lm_head) and idle = step - "
+        f"kernel time; "
         f"weights: parameters + buffers resident; peak: allocated during (b)/(c)/(d); '-': not measured.",
         "",
         "| format | batch | backend | weights GiB (Linears in format) | (b) graph ms/step | (b) x bf16 "
         "| (c) compiled graph ms/step | (c) tok/s | (c) x bf16 | (d) fused ms/step | (d) tok/s | (d) x bf16 "
+        "| (d) GPU ms: linear / attn / other / idle "
         "| (a) generate ms/step | (a) tok/s | (a) x bf16 | (a) GPU ms: linear / attn / other | (a) host ms "
         "| peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         g, c, d, a = r.get("graph", {}), r.get("compiled-graph", {}), r.get("fused", {}), r.get("generate", {})
         gpu = " / ".join(f(a.get(f"{k}_ms_per_step")) for k in ("linear", "attention", "other"))
+        fused_gpu = " / ".join(f(d.get(f"{k}_ms_per_step"), 3) for k in ("linear", "attention", "other", "idle"))
         peak = max((w.get("peak_gib") or 0 for w in (g, c, d)), default=0) or None
         lines.append(f"| {r['format']} | {r['batch']} | {r['backend']} | {f(r['weight_gib'])} "
                      f"({f(r['quantized_linear_gib'])}) "
                      f"| {f(g.get('ms_per_step'), 3)} | {f(g.get('speedup_vs_bf16'))} "
                      f"| {f(c.get('ms_per_step'), 3)} | {f(c.get('tokens_per_s'), 0)} | {f(c.get('speedup_vs_bf16'))} "
                      f"| {f(d.get('ms_per_step'), 3)} | {f(d.get('tokens_per_s'), 0)} | {f(d.get('speedup_vs_bf16'))} "
+                     f"| {fused_gpu} "
                      f"| {f(a.get('ms_per_step'), 3)} | {f(a.get('tokens_per_s'), 0)} | {f(a.get('speedup_vs_bf16'))} "
                      f"| {gpu} | {f(a.get('host_ms_per_step'))} | {f(peak)} |")
     mismatched = [f"{r['format']} b{r['batch']} {how}" for r in results["rows"]
