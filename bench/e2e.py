@@ -411,8 +411,9 @@ def markdown(results: dict) -> str:
     ]
     for r in results["rows"]:
         g, c, d, a = r.get("graph", {}), r.get("compiled-graph", {}), r.get("fused", {}), r.get("generate", {})
-        gpu = " / ".join(f(a.get(f"{k}_ms_per_step")) for k in ("linear", "attention", "other"))
-        fused_gpu = " / ".join(f(d.get(f"{k}_ms_per_step"), 3) for k in ("linear", "attention", "other", "idle"))
+        per_class = lambda w, keys, digits: " / ".join(f(w.get(f"{k}_ms_per_step"), digits) for k in keys)  # noqa: E731
+        gpu = per_class(a, ("linear", "attention", "other"), 2)
+        fused_gpu = per_class(d, ("linear", "attention", "other", "idle"), 3)
         peak = max((w.get("peak_gib") or 0 for w in (g, c, d)), default=0) or None
         lines.append(f"| {r['format']} | {r['batch']} | {r['backend']} | {f(r['weight_gib'])} "
                      f"({f(r['quantized_linear_gib'])}) "
