@@ -31,6 +31,12 @@ THREADS = 288
 SMEM_LIMIT = 227 * 1024
 
 
+def step_bytes(fmt_code: int) -> tuple:
+    """(word bytes, scale bytes) of one row group (16 rows) and K step in the Hopper layout (layout.py):
+    the unit of the kernel's weight boxes and ring stages."""
+    return (1024 if fmt_code == 2 else 512), (64 if fmt_code == 0 else 32)
+
+
 @dataclass(frozen=True)
 class WsConfig:
     block_m: int = 256  # activation rows per CTA: the wgmma's N (64, 128 or 256)
@@ -42,7 +48,7 @@ class WsConfig:
 
     def smem_bytes(self, fmt_code: int) -> int:
         """Smem<FMT, BM, STAGES>::BYTES of the kernel source: the ring, four A tiles, barriers, alignment slack."""
-        data, scale = (1024 if fmt_code == 2 else 512), (64 if fmt_code == 0 else 32)
+        data, scale = step_bytes(fmt_code)
         stage = self.block_m * 128 + 8 * data + 8 * scale
         nbytes = self.stages * stage + 4 * 64 * 128 + 16 * self.stages + 1024
         if nbytes > SMEM_LIMIT:
@@ -152,7 +158,7 @@ def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int) -> 
     """The words [N/16, K/64 x DATA bytes] as (256 bytes, DATA / 256, K steps, row groups) and the scales
     [N/16, K/64 x SCALE bytes] as (SCALE bytes, K steps, row groups), boxes of one K step of 8 row groups
     (a CTA's 128 rows): one copy each per step, landing in the order the consumers read."""
-    data_bytes, scale_bytes = (1024 if fmt_code == 2 else 512), (64 if fmt_code == 0 else 32)
+    data_bytes, scale_bytes = step_bytes(fmt_code)
     groups, kt = data.shape[0], data.shape[1] // data_bytes
     words = nvrtc.TensorMapSpec(address=data.data_ptr(), global_dims=(256, data_bytes // 256, kt, groups),
                                 global_strides=(256, data_bytes, kt * data_bytes),
