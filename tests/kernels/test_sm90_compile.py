@@ -88,14 +88,22 @@ def test_dequant_kernel_sass(to_fp8, tmp_path):
     assert not any(o.startswith(("LDL", "STL")) for o in ops)
 
 
-@pytest.mark.parametrize("fmt,nw,bm", [("nvfp4", 4, 64), ("mxfp4", 8, 128), ("mxfp8", 8, 128)])
-def test_wgmma_kernel_sass(fmt, nw, bm, tmp_path):
+@pytest.mark.parametrize("fmt,nw,bm,reps,rs", [("nvfp4", 4, 64, 1, False), ("mxfp4", 8, 128, 1, False),
+                                               ("mxfp8", 8, 128, 1, False), ("nvfp4", 4, 16, 2, True),
+                                               ("mxfp8", 8, 32, 1, True)])
+def test_wgmma_kernel_sass(fmt, nw, bm, reps, rs, tmp_path):
     from microscale.kernels.sm90 import wgmma
-    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=nw, BM=bm, DEPTH=3)
-    ops = _ops(_sass(wgmma.wgmma_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED, tmp_path,
-                     num_warps=nw))
-    assert any(o.startswith("HGMMA.64") for o in ops)  # wgmma, both operands in shared memory
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=nw, BM=bm, DEPTH=3, R=reps, RS=rs)
+    sass = _sass(wgmma.wgmma_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED, tmp_path, num_warps=nw)
+    ops = _ops(sass)
+    # wgmma m64 x bm x k16; A from registers (rs) or, like B, from shared memory
+    a_operand = "R" if rs else "gdesc"
+    assert re.search(rf"HGMMA\.64x{bm}x16\.F32\.BF16 R\d+, {a_operand}", sass)
     assert any(o.startswith("LDGSTS") for o in ops)  # activations by cp.async
     assert any(o.startswith("LDG.E.EF.128") for o in ops)  # weights in 16-byte evict-first loads
-    assert "STS.128" in ops  # the decoded weight tile stored 16 bytes at a time
+    # in the K loop (first to last wgmma) the decoded weight tile is stored 16 bytes at a time, or (rs) not at all;
+    # the epilogue's layout change stores through shared memory either way
+    wgmmas = [i for i, o in enumerate(ops) if o.startswith("HGMMA")]
+    loop = ops[wgmmas[0]:wgmmas[-1]]
+    assert not any(o.startswith("STS") for o in loop) if rs else "STS.128" in loop
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "local memory (spills)"

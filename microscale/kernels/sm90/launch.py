@@ -206,11 +206,20 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    num_warps: int = 4  # 16 weight rows per warp
-    block_m: int = 128  # activation rows per program (the wgmma's N: 64 or 128)
+    num_warps: int = 4  # 16 * reps weight rows per warp
+    block_m: int = 128  # activation rows per program (the wgmma's N: 16 to 128)
     depth: int = 3  # weight tiles in flight (registers)
     split: int = 0  # K splits; 0 = chosen from the grid size
     ctas_per_sm: int = 2  # target programs per SM when the split is chosen
+    reps: int = 1  # 16-row groups per warp
+    # the wgmma's A from the decoded registers (x's columns permuted to match on their way into shared
+    # memory) instead of a weight tile stored to shared memory each K step
+    rs: bool = False
+
+    @property
+    def block_n(self) -> int:
+        """Weight rows per program."""
+        return ROW_GROUP * self.num_warps * self.reps
 
 
 def wgmma_config(m: int) -> WgmmaConfig:
@@ -227,18 +236,20 @@ def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cf
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
     cfg = cfg or wgmma_config(m)
-    tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), np_ // (ROW_GROUP * cfg.num_warps)
+    if np_ % cfg.block_n:
+        raise ValueError(f"wgmma tile of {cfg.block_n} rows does not divide the {np_} padded weight rows")
+    tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), np_ // cfg.block_n
     sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
     split = _split_for(cfg, tiles_m * tiles_n, kt // 8, sms)  # >= 8 K steps per program
     steps = triton.cdiv(kt, split)
     split = triton.cdiv(kt, steps)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    ws = _split_workspace(workspace, tiles_m * tiles_n, split, ROW_GROUP * cfg.num_warps * cfg.block_m, x.device)
+    ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.block_m, x.device)
     wgmma.wgmma_gemm_kernel[(tiles_m, tiles_n, split)](
         x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, _tickets(x.device, tiles_m * tiles_n),
         m, n, k, kt, steps, split, x.stride(0), y.stride(0),
         FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, BM=cfg.block_m, DEPTH=cfg.depth,
-        num_warps=cfg.num_warps,
+        R=cfg.reps, RS=cfg.rs, num_warps=cfg.num_warps,
     )
     return y
 

@@ -36,31 +36,63 @@ def _copy_x(x_smem, x_ptr, x_row_ok, x_k, step, k_end, K):
 
 
 @gluon.jit
-def _step(acc, tile, step, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT: gl.constexpr, NW: gl.constexpr,
-          a_regs: gl.constexpr):
+def _hardware_k_order(a, BN: gl.constexpr):
+    """Decoded tile [BN, 64] in the decode kernel's logical K order -> the wgmma's register A operand,
+    relabelled so column j is the hardware's k (only registers renamed): j bits (1, 2, 4, 8, 16, 32)
+    are logical k bits (1, 8, 16, 2, 4, 32)."""
+    return a.reshape(BN, 2, 2, 2, 2, 2, 2).permute(0, 1, 4, 5, 2, 3, 6).reshape(BN, K_STEP)
+
+
+@gluon.jit
+def _step(acc, tile, step, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT: gl.constexpr, RG: gl.constexpr,
+          RS: gl.constexpr, a_regs: gl.constexpr, a_wgmma: gl.constexpr):
     """acc += W tile @ x tile^T for one K step, the weight tile already loaded into registers."""
     _copy_x(x_smem, x_ptr, x_row_ok, x_k, step + X_AHEAD, k_end, K)
     w, s = tile
-    a = gl.convert_layout(_dequant_tile(w, s, FMT, NW, 1), a_regs, assert_trivial=True)
-    w_smem.index(step % STAGES).store(_to_physical_k(a, NW * ROW_GROUP, 1))
+    a = gl.convert_layout(_dequant_tile(w, s, FMT, RG, 1), a_regs, assert_trivial=True)
+    if RS:
+        a = gl.convert_layout(_hardware_k_order(a, RG * ROW_GROUP), a_wgmma, assert_trivial=True)
+    else:
+        w_smem.index(step % STAGES).store(_to_physical_k(a, RG * ROW_GROUP, 1))
     async_copy.wait_group(X_AHEAD)  # this thread's copies of the step's x tile have landed
     fence_async_shared()
-    gl.thread_barrier()  # every warp's part of both tiles is in shared memory
-    acc = warpgroup_mma(w_smem.index(step % STAGES), x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
+    gl.thread_barrier()  # every warp's part of the x tile (and of the weight tile) is in shared memory
+    b = x_smem.index(step % STAGES).permute((1, 0))
+    if RS:
+        acc = warpgroup_mma(a, b, acc, is_async=True)
+    else:
+        acc = warpgroup_mma(w_smem.index(step % STAGES), b, acc, is_async=True)
     return warpgroup_mma_wait(1, deps=[acc])
+
+
+@gluon.jit
+def _x_columns(RS: gl.constexpr, layout: gl.constexpr):
+    """x column (true k within a K step) of each column j of the activation tile in shared memory: j
+    itself, or with RS the column that meets the weights at the wgmma's k = j (_hardware_k_order after
+    layout.py's k = 16t + 8 i2 + 4 i1 + 2 khi + i0): j bits (1, 2, 4, 8, 16, 32) -> k bits (1, 16, 32, 4, 8, 2)."""
+    j = gl.arange(0, K_STEP, layout=gl.SliceLayout(0, layout))
+    if RS:
+        j = (j & 1) | (j & 2) << 3 | (j & 4) << 3 | (j & 8) >> 1 | (j & 16) >> 1 | (j & 32) >> 4
+        j = gl.max_contiguous(gl.multiple_of(j, [2]), [2])  # pairs stay together: 4-byte copies
+    return j
 
 
 @gluon.jit
 def wgmma_gemm_kernel(
     X, W, S, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, NW: gl.constexpr, BM: gl.constexpr,
-    DEPTH: gl.constexpr,
+    DEPTH: gl.constexpr, R: gl.constexpr, RS: gl.constexpr,
 ):
-    BN: gl.constexpr = NW * ROW_GROUP
+    RG: gl.constexpr = NW * R  # 16-row groups: R per warp
+    BN: gl.constexpr = RG * ROW_GROUP
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
     v2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     a_regs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=v2, k_width=8)
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    a_wgmma: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    if RS:  # columns permuted in pairs: 4-byte copies
+        x_layout: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [NW, 1], [1, 0])
+    else:
+        x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
     pid_m = gl.program_id(0)  # fastest: programs that share a weight tile run together (L2 reuse)
@@ -69,15 +101,18 @@ def wgmma_gemm_kernel(
     k_begin = pid_s * steps_per_split
     k_end = gl.minimum(k_begin + steps_per_split, KT)
     n_steps = k_end - k_begin
-    W_base, w_off, S_base, s_off = _weight_tile_pointers(W, S, pid_n, KT, FMT, NW, NW, 1)
+    W_base, w_off, S_base, s_off = _weight_tile_pointers(W, S, pid_n, KT, FMT, NW, RG, 1)
 
     x_m = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
-    x_k = gl.arange(0, K_STEP, layout=gl.SliceLayout(0, x_layout))
+    x_k = _x_columns(RS, x_layout)
     x_ptr = X + x_m[:, None].to(gl.int64) * stride_xm + x_k[None, :]
     x_row_ok = (x_m < M)[:, None]
 
-    w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, K_STEP], tile_smem)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, K_STEP], tile_smem)
+    if RS:
+        w_smem = x_smem  # unused: the weights go to the wgmma from registers
+    else:
+        w_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, K_STEP], tile_smem)
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
 
     # Stages are indexed by step % STAGES. A stage is rewritten (x copy X_AHEAD steps ahead, weight
@@ -93,12 +128,14 @@ def wgmma_gemm_kernel(
         step = k_begin + i * DEPTH
         for j in gl.static_range(DEPTH):
             nxt = _load_w(W_base, w_off, S_base, s_off, gl.minimum(step + j + DEPTH, k_end - 1), FMT)
-            acc = _step(acc, tiles[0], step + j, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT, NW, a_regs)
+            acc = _step(acc, tiles[0], step + j, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT, RG, RS,
+                        a_regs, a_wgmma)
             tiles = tiles[1:] + (nxt,)
     step = k_begin + (n_steps // DEPTH) * DEPTH
     for j in gl.static_range(DEPTH - 1):
         if j < n_steps % DEPTH:
-            acc = _step(acc, tiles[j], step + j, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT, NW, a_regs)
+            acc = _step(acc, tiles[j], step + j, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT, RG, RS,
+                        a_regs, a_wgmma)
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
