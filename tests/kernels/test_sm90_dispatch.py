@@ -1,5 +1,5 @@
 """The Hopper dispatch rule (sm90.choose_kernel, docs/dispatch.md), checked on the CPU: it reads only
-the format, M, the options, the activation dtype and the compute capability."""
+the format, M, the weight's shape, the options, the activation dtype and the compute capability."""
 
 import pytest
 import torch
@@ -12,6 +12,17 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 1, {}) == "decode"
     assert sm90.choose_kernel("nvfp4", sm90.DECODE_MAX_M, {}) == "decode"
     assert sm90.choose_kernel("nvfp4", sm90.DECODE_MAX_M + 1, {}) == "wgmma"
+    # M = 9-32: the register-A wgmma on small weights and for MXFP8 at M > 16 with N >= K (bf16, sm_90)
+    assert sm90.choose_kernel("nvfp4", 8, {}, n=4096, k=4096) == "decode"
+    assert sm90.choose_kernel("nvfp4", 9, {}, n=4096, k=4096) == "wgmma"
+    assert sm90.choose_kernel("nvfp4", 32, {}, n=4096, k=4096) == "wgmma"
+    assert sm90.choose_kernel("nvfp4", 32, {}, n=4096, k=4096, dtype=torch.float16) == "decode"
+    assert sm90.choose_kernel("nvfp4", 16, {}, n=4096, k=4096, cc=(8, 0)) == "decode"
+    assert sm90.choose_kernel("nvfp4", 32, {}, n=28672, k=8192) == "decode"
+    assert sm90.choose_kernel("mxfp8", 16, {}, n=28672, k=8192) == "decode"
+    assert sm90.choose_kernel("mxfp8", 17, {}, n=28672, k=8192) == "wgmma"
+    assert sm90.choose_kernel("mxfp8", 32, {}, n=8192, k=8192) == "wgmma"
+    assert sm90.choose_kernel("mxfp8", 32, {}, n=4096, k=14336) == "decode"
     assert sm90.choose_kernel("nvfp4", 128, {}, torch.float16) == "dequant"  # wgmma kernel: bf16 only
     assert sm90.choose_kernel("nvfp4", 128, {}, cc=(8, 9)) == "dequant"  # no wgmma before sm_90
     assert sm90.choose_kernel("nvfp4", 1, {}, cc=(8, 0)) == "decode"  # the decode kernel runs on sm_80

@@ -82,7 +82,7 @@ def test_wgmma_kernel(fmt, m, n, k, seed):
     configs = [None, paths.WgmmaConfig(num_warps=8, block_m=64, depth=2, split=1),
                paths.WgmmaConfig(num_warps=4, block_m=128, depth=3, split=3),  # split: 1..5 steps per program
                # A from registers: 16 or 32 activation rows, one or two row groups per warp, one or two warpgroups
-               paths.WgmmaConfig(block_m=16, rs=True), paths.WgmmaConfig(block_m=32, reps=2, rs=True, split=3),
+               paths.WgmmaConfig(block_m=16, rs=True), paths.WgmmaConfig(block_m=32, reps=2, depth=2, rs=True, split=3),
                paths.WgmmaConfig(num_warps=8, block_m=64, depth=2, rs=True, split=1)]
     for cfg in configs:
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)

@@ -12,12 +12,13 @@ unprepare: its inverse (layout.unshuffle_weights; bit-exact for what our quantiz
     layers need not keep both layouts.
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
-    "decode"  M <= DECODE_MAX_M: dequantize in registers into mma.sync (decode.py)
+    "decode"  M <= DECODE_MAX_M, except at M = 9-32 where launch.wgmma_beats_decode: dequantize in
+              registers into mma.sync (decode.py)
     "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M and at least WS_MIN_TILES
               tiles of 256 x 128: the warp-specialized CUDA kernel (wgmma_ws.py: TMA producer warp,
               two decoding warpgroups)
-    "wgmma"   otherwise M <= WGMMA_MAX_M, bf16 activations, sm_90: dequantize per K step into shared
-              memory, wgmma (wgmma.py)
+    "wgmma"   otherwise M <= WGMMA_MAX_M, bf16 activations, sm_90: dequantize per K step, wgmma with A
+              from those registers or from shared memory (wgmma.py, launch.wgmma_config)
     "dequant" otherwise (larger M, fp16/fp32 activations, other architectures, x that TMA cannot
               read, no cuda-python): dequantize into a workspace, then cuBLAS
   options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "wgmma",
@@ -72,25 +73,26 @@ def unprepare(prepared, fmt, shape, global_scale=None) -> QTensor:
 
 
 def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0), n: int = 8192,
-                  tma_ready: bool = True) -> str:
+                  tma_ready: bool = True, k: int = 8192) -> str:
     """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins.
     dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90, FP8 sm_89);
-    n: the weight's rows; tma_ready: whether wgmma_ws can take these activations (wgmma_ws.supports)."""
+    n, k: the weight's shape; tma_ready: whether wgmma_ws can take these activations (wgmma_ws.supports)."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
+    wgmma_ready = dtype == torch.bfloat16 and cc[0] == 9
     if forced:
         if forced not in KERNELS:
             raise ValueError(f"sm90: unknown kernel {forced!r}; accepted: {', '.join(KERNELS)}")
         if forced == "fp8" and fmt not in FP8_FORMATS:
             raise ValueError(f"sm90: the fp8 kernel takes {', '.join(FP8_FORMATS)} weights, not {fmt}")
-        if forced in ("wgmma", "wgmma_ws") and (dtype != torch.bfloat16 or cc[0] != 9):
+        if forced in ("wgmma", "wgmma_ws") and not wgmma_ready:
             raise ValueError(f"sm90: the {forced} kernel takes bf16 activations on sm_90, not {dtype} on "
                              f"sm_{cc[0]}{cc[1]}")
         kernel = forced
     elif options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
         kernel = "fp8"
-    elif m <= DECODE_MAX_M:
+    elif m <= DECODE_MAX_M and not (wgmma_ready and paths.wgmma_beats_decode(FMT_CODE[fmt], m, n, k)):
         kernel = "decode"
-    elif dtype == torch.bfloat16 and cc[0] == 9:
+    elif wgmma_ready:
         ws_tiles = -(-m // wgmma_ws.WsConfig.block_m) * -(-n // wgmma_ws.ROWS)
         if tma_ready and WS_MIN_M <= m <= WS_MAX_M and ws_tiles >= WS_MIN_TILES:
             kernel = "wgmma_ws"
@@ -118,7 +120,7 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     tma_ready = m > DECODE_MAX_M and wgmma_ws.supports(x2d)  # not asked on the decode path (per token)
-    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n, tma_ready)
+    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n, tma_ready, k)
     run = {"decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm, "wgmma_ws": wgmma_ws.wgmma_ws_gemm,
            "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
     return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)

@@ -222,11 +222,37 @@ class WgmmaConfig:
         return ROW_GROUP * self.num_warps * self.reps
 
 
-def wgmma_config(m: int) -> WgmmaConfig:
-    """From the sweep on the H200 (bench/gemm.py --sweep --kernel wgmma): one warpgroup and 64
-    activation rows up to M = 64, two warpgroups (128 weight rows) and 128 rows above."""
-    if m <= 64:
-        return WgmmaConfig(num_warps=4, block_m=64, depth=3, ctas_per_sm=1)
+# N from which the register-A tile takes two row groups per warp at M = 33-64, and from which (or on weights
+# of at most SMALL_WEIGHT elements) it runs about 4 programs per SM at M <= 32
+RS_TALL = 16384
+RS_MAX_WEIGHT_M128 = 8192 * 8192  # at M = 65-128 the register-A tile on weights below this size
+
+
+def wgmma_beats_decode(fmt_code: int, m: int, n: int, k: int) -> bool:
+    """Whether the wgmma kernel (register-A tile) runs M = 9-32 faster than the decode kernel: on weights
+    of at most SMALL_WEIGHT elements, and for MXFP8 at M = 17-32 when N >= K (session 14, runs 14b/14c:
+    4096x4096 M = 16 NVFP4 8.7 against 9.6 us, M = 32 10.2 against 11.5; MXFP8 M = 32 28672x8192 81.9
+    against 92.4, 8192x8192 27.9 against 30.2; slower on the other weights, by up to 25% at M = 16)."""
+    if not 9 <= m <= 32:
+        return False
+    return n * k <= SMALL_WEIGHT or (fmt_code == decode.FMT_CODE["mxfp8"] and m > 16 and n >= k)
+
+
+def wgmma_config(m: int, n: int, k: int) -> WgmmaConfig:
+    """From the sweeps on the H200 (bench/results/sweep_h200.json; session 14, runs 14b-14d, 7 weights,
+    NVFP4 and MXFP8). Up to M = 64, and on weights below RS_MAX_WEIGHT_M128 elements up to M = 128, the
+    wgmma takes A from the decoded registers: at M = 64 faster than the shared-memory tile on all 14
+    cases (28672x8192 NVFP4 125.9 -> 94.6 us, 8192x8192 36.5 -> 33.5), at M = 128 on those weights by
+    9-30% (4096x4096 28.2 -> 19.7), slower on the larger ones (28672x8192 152.6 -> 171.7). One row group
+    per warp and three tiles in flight, except two row groups and two tiles for N >= RS_TALL at M > 32;
+    about 2 programs per SM, 4 at M <= 32 for N >= RS_TALL or small weights. Otherwise two warpgroups,
+    128 activation rows, the decoded tile stored to shared memory (bench/gemm.py --sweep --kernel wgmma)."""
+    if m <= 64 or (m <= 128 and n * k < RS_MAX_WEIGHT_M128):
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        if m > 32 and n >= RS_TALL:
+            return WgmmaConfig(num_warps=4, block_m=block_m, reps=2, depth=2, ctas_per_sm=2, rs=True)
+        ctas = 4 if m <= 32 and (n >= RS_TALL or n * k <= SMALL_WEIGHT) else 2
+        return WgmmaConfig(num_warps=4, block_m=block_m, reps=1, depth=3, ctas_per_sm=ctas, rs=True)
     return WgmmaConfig(num_warps=8, block_m=128, depth=3, ctas_per_sm=1)
 
 
@@ -235,7 +261,7 @@ def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cf
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
-    cfg = cfg or wgmma_config(m)
+    cfg = cfg or wgmma_config(m, n, k)
     if np_ % cfg.block_n:
         raise ValueError(f"wgmma tile of {cfg.block_n} rows does not divide the {np_} padded weight rows")
     tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), np_ // cfg.block_n

@@ -1,14 +1,19 @@
-"""GEMM for M above decode sizes on Hopper: weights dequantized per K step into shared memory, wgmma.
+"""GEMM for M above decode sizes on Hopper: weights dequantized per K step in registers, wgmma.
 
     y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias),  fp32 accumulation
 
-A program owns BN = 16 * NW weight rows and BM activation rows and walks K in steps of 64. Each step
-its threads decode their 16-byte slice of the pre-shuffled weights (decode.py's routine, the same
-registers the decode kernel feeds to mma.sync), put the tile back in true K order and store it to
-shared memory next to the activation tile; one asynchronous wgmma (both operands in shared memory)
-multiplies them while the threads load and decode the next step. The weights never exist in global
-memory in bf16, so the kernel reads 4.5 / 4.25 / 8.25 bits per weight where dequantize-then-cuBLAS
-writes and reads 16 more.
+A program owns BN = 16 * NW * R weight rows and BM activation rows and walks K in steps of 64. Each
+step its threads decode their 16-byte slice of the pre-shuffled weights (decode.py's routine, the same
+registers the decode kernel feeds to mma.sync), and one asynchronous wgmma multiplies them with the
+activation tile in shared memory while the threads load and decode the next step. The decoded tile
+reaches the wgmma one of two ways:
+  - RS (register A): the decoded registers are the wgmma's A fragments as they are, relabelled in K
+    (_hardware_k_order); the activation tile is copied in with its columns permuted to match
+    (_x_columns, 4-byte cp.async). No weight tile in shared memory: the faster form up to M = 64.
+  - otherwise: the tile is put back in true K order and stored to shared memory next to the
+    activation tile, and the wgmma reads both from there.
+The weights never exist in global memory in bf16, so the kernel reads 4.5 / 4.25 / 8.25 bits per
+weight where dequantize-then-cuBLAS writes and reads 16 more.
 
 The activation tiles come in by cp.async X_AHEAD steps ahead, the weight words DEPTH steps ahead in
 registers; with K split over several programs (small grids) the partials are summed as in decode.py.
