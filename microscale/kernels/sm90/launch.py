@@ -230,7 +230,7 @@ RS_MAX_WEIGHT_M128 = 8192 * 8192  # at M = 65-128 the register-A tile on weights
 
 def wgmma_beats_decode(fmt_code: int, m: int, n: int, k: int) -> bool:
     """Whether the wgmma kernel (register-A tile) runs M = 9-32 faster than the decode kernel: on weights
-    of at most SMALL_WEIGHT elements, and for MXFP8 at M = 17-32 when N >= K (session 14, runs 14b/14c:
+    of at most SMALL_WEIGHT elements, and for MXFP8 at M = 17-32 when N >= K (session 14, runs 14c-14e:
     4096x4096 M = 16 NVFP4 8.7 against 9.6 us, M = 32 10.2 against 11.5; MXFP8 M = 32 28672x8192 81.9
     against 92.4, 8192x8192 27.9 against 30.2; slower on the other weights, by up to 25% at M = 16)."""
     if not 9 <= m <= 32:
@@ -239,7 +239,7 @@ def wgmma_beats_decode(fmt_code: int, m: int, n: int, k: int) -> bool:
 
 
 def wgmma_config(m: int, n: int, k: int) -> WgmmaConfig:
-    """From the sweeps on the H200 (bench/results/sweep_h200.json; session 14, runs 14b-14d, 7 weights,
+    """From the sweeps on the H200 (bench/results/sweep_h200.json; session 14, runs 14d/14e, 7 weights,
     NVFP4 and MXFP8). Up to M = 64, and on weights below RS_MAX_WEIGHT_M128 elements up to M = 128, the
     wgmma takes A from the decoded registers: at M = 64 faster than the shared-memory tile on all 14
     cases (28672x8192 NVFP4 125.9 -> 94.6 us, 8192x8192 36.5 -> 33.5), at M = 128 on those weights by
