@@ -232,7 +232,7 @@ def wgmma_beats_decode(fmt_code: int, m: int, n: int, k: int) -> bool:
     """Whether the wgmma kernel (register-A tile) runs M = 9-32 faster than the decode kernel: on weights
     of at most SMALL_WEIGHT elements, and for MXFP8 at M = 17-32 when N >= K (session 14, runs 14c-14e:
     4096x4096 M = 16 NVFP4 8.7 against 9.6 us, M = 32 10.2 against 11.5; MXFP8 M = 32 28672x8192 81.9
-    against 92.4, 8192x8192 27.9 against 30.2; slower on the other weights, by up to 25% at M = 16)."""
+    against 92.4, 8192x8192 27.9 against 30.2; slower on the other weights, by up to 35% at M = 16)."""
     if not 9 <= m <= 32:
         return False
     return n * k <= SMALL_WEIGHT or (fmt_code == decode.FMT_CODE["mxfp8"] and m > 16 and n >= k)
