@@ -243,7 +243,7 @@ def wgmma_config(m: int, n: int, k: int) -> WgmmaConfig:
     NVFP4 and MXFP8). Up to M = 64, and on weights below RS_MAX_WEIGHT_M128 elements up to M = 128, the
     wgmma takes A from the decoded registers: at M = 64 faster than the shared-memory tile on all 14
     cases (28672x8192 NVFP4 125.9 -> 94.6 us, 8192x8192 36.5 -> 33.5), at M = 128 on those weights by
-    9-30% (4096x4096 28.2 -> 19.7), slower on the larger ones (28672x8192 152.6 -> 171.7). One row group
+    15-30% (4096x4096 28.2 -> 19.7), slower on the larger ones (28672x8192 152.6 -> 171.7). One row group
     per warp and three tiles in flight, except two row groups and two tiles for N >= RS_TALL at M > 32;
     about 2 programs per SM, 4 at M <= 32 for N >= RS_TALL or small weights. Otherwise two warpgroups,
     128 activation rows, the decoded tile stored to shared memory (bench/gemm.py --sweep --kernel wgmma)."""
