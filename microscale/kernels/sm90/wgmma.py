@@ -59,14 +59,11 @@ def _step(acc, tile, step, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT: 
         a = gl.convert_layout(_hardware_k_order(a, RG * ROW_GROUP), a_wgmma, assert_trivial=True)
     else:
         w_smem.index(step % STAGES).store(_to_physical_k(a, RG * ROW_GROUP, 1))
+        a = w_smem.index(step % STAGES)
     async_copy.wait_group(X_AHEAD)  # this thread's copies of the step's x tile have landed
     fence_async_shared()
     gl.thread_barrier()  # every warp's part of the x tile (and of the weight tile) is in shared memory
-    b = x_smem.index(step % STAGES).permute((1, 0))
-    if RS:
-        acc = warpgroup_mma(a, b, acc, is_async=True)
-    else:
-        acc = warpgroup_mma(w_smem.index(step % STAGES), b, acc, is_async=True)
+    acc = warpgroup_mma(a, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
     return warpgroup_mma_wait(1, deps=[acc])
 
 
