@@ -1,7 +1,8 @@
 """Host side of the Hopper kernels: launch configuration and the three GEMM paths.
 
-    decode_gemm    M <= 64: weights dequantized in registers into mma.sync (decode.py)
-    wgmma_gemm     larger M: weights dequantized per K step into shared memory, wgmma (wgmma.py)
+    decode_gemm    small M: weights dequantized in registers into mma.sync (decode.py)
+    wgmma_gemm     larger M (and some M = 9-32, wgmma_beats_decode): weights dequantized per K step in
+                   registers, wgmma with them as A or with them stored to shared memory (wgmma.py)
     dequant_gemm   large M: W dequantized to x's dtype, then cuBLAS; large weights chunk by chunk,
                    each chunk's GEMM running while the next chunk is dequantized on a side stream
     fp8_gemm       large M, opt-in (MX formats): weights transcoded to E4M3 with a per-row power of
