@@ -73,7 +73,7 @@ def wave_fill(m, n, k=8192):
     cfg = launch.decode_config(m, n, k, 0)
     resident = next(v for key, v in launch._RESIDENT.items()
                     if dict(key[1])["BMX"] == cfg.block_m and dict(key[1])["R"] == cfg.reps)
-    sms = launch._sm_count(0)
+    sms = launch.sm_count(0)
     tiles = n // cfg.block_n
     split = launch._split_for(cfg, tiles, k // 64 // cfg.unroll // 4, sms, resident)
     return {"op": "wave fill", "M": m, "N": n, "K": k, "us": us, "tbps": nbytes / us / 1e6, "programs": tiles * split,

@@ -97,15 +97,18 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
     """The CUDA kernel in every launched form: 2-CTA clusters (N = 384: the last cluster's second CTA has
     no rows and only shares x), none, 4-CTA clusters (N = 200: two of four), 64-row wgmmas with a
     2-stage ring that wraps (K = 224: 4 steps) and the tile order in groups of 3 m tiles (M = 1030: 17
-    tiles, the last group partial); M ragged against 64-256 rows per CTA."""
+    tiles, the last group partial); M ragged against 64-256 rows per CTA. Split-K in 2-3 parts (K = 256: 4
+    steps in 2 parts; K = 2080: 33 steps in 3), also with 2-CTA clusters whose idle CTA takes no ticket."""
     from microscale.kernels.sm90 import prepare, wgmma_ws as W
     from microscale.kernels.sm90.decode import FMT_CODE
     x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
     prep = prepare(q)
     for cfg in (W.WsConfig(), W.WsConfig(cluster=2), W.WsConfig(block_m=128, cluster=4),
-                W.WsConfig(block_m=64, stages=2, cluster=1, group_m=3)):
+                W.WsConfig(block_m=64, stages=2, cluster=1, group_m=3), W.WsConfig(block_m=128, split=3),
+                W.WsConfig(split=2, cluster=2), W.WsConfig(block_m=64, stages=2, split=3)):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        W.wgmma_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y)
+        ws = torch.full((1 << 22,), float("nan"), device="cuda")
+        W.wgmma_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)
         _check(y, y64, mag, k, torch.bfloat16)
 
 

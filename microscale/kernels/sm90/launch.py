@@ -137,14 +137,14 @@ def _resident_programs(kernel, args, constexprs: dict, num_warps: int, device) -
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 _TICKETS: dict = {}
 
 
-def _tickets(device, count: int) -> torch.Tensor:
+def split_tickets(device, count: int) -> torch.Tensor:
     """Zeroed per-tile counters for the split-K fix-up; the last program of a tile resets its own."""
     t = _TICKETS.get(device)
     if t is None or t.numel() < count:
@@ -158,7 +158,7 @@ def split_workspace_elems(tiles: int, split: int, tile_elems: int) -> int:
     return tiles * split * tile_elems if split > 1 else 1
 
 
-def _split_workspace(workspace, tiles: int, split: int, tile_elems: int, device) -> torch.Tensor:
+def split_workspace(workspace, tiles: int, split: int, tile_elems: int, device) -> torch.Tensor:
     need = split_workspace_elems(tiles, split, tile_elems)
     if workspace is None:
         return torch.empty(need, dtype=torch.float32, device=device)
@@ -187,7 +187,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.rows_m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    tickets = _tickets(x.device, tiles_n * tiles_m)
+    tickets = split_tickets(x.device, tiles_n * tiles_m)
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
                       U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth, FULL_K=k == kp, KP=cfg.parts)
     # workspace (fp32), steps and split are placeholders until the split is known
@@ -195,11 +195,11 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
     kernel = decode.decode_gemm_kernel
     resident = 0 if cfg.split else _resident_programs(kernel, args, constexprs, cfg.num_warps, x.device)
-    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    sms = sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
     split = _split_for(cfg, tiles_n * tiles_m, part_steps // cfg.unroll // 4, sms, resident)  # >= 4 loop trips
     steps = triton.cdiv(triton.cdiv(part_steps, split), cfg.unroll) * cfg.unroll
     split = triton.cdiv(part_steps, steps)
-    ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.rows_m, x.device)
+    ws = split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.rows_m, x.device)
     args[6], args[12], args[13] = ws, steps, split
     kernel[(tiles_m, tiles_n, split)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps)
     return y
@@ -266,14 +266,14 @@ def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cf
     if np_ % cfg.block_n:
         raise ValueError(f"wgmma tile of {cfg.block_n} rows does not divide the {np_} padded weight rows")
     tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), np_ // cfg.block_n
-    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    sms = sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
     split = _split_for(cfg, tiles_m * tiles_n, kt // 8, sms)  # >= 8 K steps per program
     steps = triton.cdiv(kt, split)
     split = triton.cdiv(kt, steps)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.block_m, x.device)
+    ws = split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.block_m, x.device)
     wgmma.wgmma_gemm_kernel[(tiles_m, tiles_n, split)](
-        x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, _tickets(x.device, tiles_m * tiles_n),
+        x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, split_tickets(x.device, tiles_m * tiles_n),
         m, n, k, kt, steps, split, x.stride(0), y.stride(0),
         FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, BM=cfg.block_m, DEPTH=cfg.depth,
         R=cfg.reps, RS=cfg.rs, num_warps=cfg.num_warps,

@@ -13,7 +13,7 @@ made once per weight, x's once per activation buffer (_device_maps says how CUDA
 import json
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import torch
 
 from .. import nvrtc
 from . import decode
+from .launch import sm_count, split_tickets, split_workspace
 from .layout import K_STEP, padded_shape
 
 SOURCE_PATH = Path(__file__).with_name("wgmma_ws.cuh")
@@ -45,6 +46,11 @@ class WsConfig:
     # on 34 of 36 format x shape x M cases at M = 512-2048 than pairs (session 11, sweep runs 11c-11d)
     cluster: int = 1
     group_m: int = 0  # m tiles per group of the tile order; 0 = about 16 MB of x (default_group_m)
+    split: int = 0  # K splits; 0 = split_for(tiles): enough for about one CTA per SM when tiles are few
+
+    def compiled(self) -> "WsConfig":
+        """The config as the kernel is compiled: split and group_m are launch arguments."""
+        return replace(self, split=0, group_m=0)
 
     def smem_bytes(self, fmt_code: int) -> int:
         """Smem<FMT, BM, STAGES>::BYTES of the kernel source: the ring, four A tiles, barriers, alignment slack."""
@@ -174,6 +180,16 @@ def default_group_m(block_m: int, kp: int) -> int:
     return max(1, (16 << 20) // (block_m * kp * 2))
 
 
+MIN_SPLIT_STEPS = 8  # K steps of 64 per part at least: shorter parts spend their time filling the ring
+
+
+def split_for(tiles: int, kt: int, sms: int) -> int:
+    """K splits so that `tiles` output tiles make about one CTA per SM (one CTA fits on an SM), never more
+    than one wave and never fewer than MIN_SPLIT_STEPS K steps per part."""
+    split = max(1, min(sms // tiles, kt // MIN_SPLIT_STEPS))
+    return split
+
+
 def supports(x: torch.Tensor) -> bool:
     """bf16 x that TMA can read (16-byte-aligned base and row stride), and cuda-python to launch with."""
     aligned = x.data_ptr() % 16 == 0 and (x.stride(0) * 2) % 16 == 0
@@ -191,8 +207,10 @@ def _have_cuda_python() -> bool:
     return True
 
 
-def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: WsConfig = None, out=None):
-    """y = x @ W^T (+ bias) for bf16 x [M, K] and prepared weights (layout.shuffle_weights)."""
+def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: WsConfig = None, out=None,
+                  workspace=None):
+    """y = x @ W^T (+ bias) for bf16 x [M, K] and prepared weights (layout.shuffle_weights).
+    out / workspace: preallocated y [M, N] and fp32 split-K buffer (tests poison them)."""
     if not supports(x):
         raise ValueError(f"wgmma_ws: x must be bf16 with unit column stride and 16-byte-aligned rows (and "
                          f"cuda-python installed), got {x.dtype} of shape {tuple(x.shape)}, strides {x.stride()}")
@@ -204,13 +222,22 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
         bias = bias.to(torch.bfloat16).contiguous()
     m_tiles, n_tiles = -(-m // cfg.block_m), np_ // ROWS
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    kt = kp // K_STEP
+    split = cfg.split or split_for(m_tiles * n_tiles, kt, sm_count(device))
+    steps = -(-kt // split)
+    split = -(-kt // steps)  # no empty parts
+    tile_elems = ROWS * cfg.block_m
+    ws = split_workspace(workspace, m_tiles * n_tiles, split, tile_elems, x.device)
+    tickets = split_tickets(x.device, m_tiles * n_tiles)
     tmap = _device_maps((x_map_spec(x, cfg.block_m // cfg.cluster),), x.device)
     wmaps = _device_maps(weight_map_specs(data, scale, fmt_code), x.device, owner=data)
     args = (tmap.data_ptr(), wmaps.data_ptr(), row_mult.data_ptr(),
-            0 if bias is None else bias.data_ptr(), y.data_ptr(),
-            np.int32(m), np.int32(n), np.int32(kp // K_STEP), np.int32(y.stride(0)), np.int32(m_tiles),
-            np.int32(n_tiles), np.int32(cfg.group_m or default_group_m(cfg.block_m, kp)))
-    nvrtc.launch(_kernel(fmt_code, cfg, device), clusters=m_tiles * -(-n_tiles // cfg.cluster), cluster=cfg.cluster,
+            0 if bias is None else bias.data_ptr(), y.data_ptr(), ws.data_ptr(), tickets.data_ptr(),
+            np.int32(m), np.int32(n), np.int32(kt), np.int32(y.stride(0)), np.int32(m_tiles),
+            np.int32(n_tiles), np.int32(cfg.group_m or default_group_m(cfg.block_m, kp)), np.int32(split),
+            np.int32(steps))
+    clusters = split * m_tiles * -(-n_tiles // cfg.cluster)
+    nvrtc.launch(_kernel(fmt_code, cfg.compiled(), device), clusters=clusters, cluster=cfg.cluster,
                  block=THREADS, smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
                  stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)
     return y
