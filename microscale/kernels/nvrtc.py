@@ -317,6 +317,26 @@ def _blocks_per_grid_unit(cluster: int) -> int:
         return cluster if (major, minor) >= (0, 4) else 1
 
 
+def max_active_clusters(kernel, *, cluster: int, block: int, smem_bytes: int, device_index: int,
+                        stream_handle: int):
+    """Clusters of `cluster` CTAs of `kernel` that the device holds at once, from the driver's occupancy
+    calculator (shared memory, registers, and how the SMs group into GPCs: on the H200, fewer 4-CTA
+    clusters of one CTA per SM fit than 132 / 4); None where this cuda.core cannot say."""
+    from cuda.core import Device, LaunchConfig
+
+    Device(device_index).set_current()
+    set_max_dynamic_smem(kernel, smem_bytes, device_index)
+    config = LaunchConfig(grid=cluster // _blocks_per_grid_unit(cluster), cluster=cluster, block=block,
+                          shmem_size=smem_bytes)
+    occupancy = getattr(kernel, "occupancy", None)
+    if occupancy is None or not hasattr(occupancy, "max_active_clusters"):
+        return None
+    try:
+        return int(occupancy.max_active_clusters(config, stream=_core_stream(device_index, stream_handle)))
+    except TypeError:  # before the stream argument
+        return int(occupancy.max_active_clusters(config))
+
+
 def launch(kernel, *, clusters: int, cluster: int, block: int, smem_bytes: int, device_index: int,
            stream_handle: int, args) -> None:
     """Launch `clusters` clusters of `cluster` CTAs (cluster 1: plain CTAs) on a CUstream handle."""

@@ -26,13 +26,14 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 128, {}, torch.float16) == "dequant"  # wgmma kernel: bf16 only
     assert sm90.choose_kernel("nvfp4", 128, {}, cc=(8, 9)) == "dequant"  # no wgmma before sm_90
     assert sm90.choose_kernel("nvfp4", 1, {}, cc=(8, 0)) == "decode"  # the decode kernel runs on sm_80
-    assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M + 1, {}) == "wgmma_ws"
-    assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M, {}, n=2048) == "wgmma"  # 32 tiles: < one wave
-    assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M + 1, {}, n=2048) == "dequant"
-    assert sm90.choose_kernel("nvfp4", 1024, {}, n=4096) == "wgmma_ws"  # 128 tiles
+    assert sm90.choose_kernel("nvfp4", 64, {}, n=8192) == "wgmma"  # the register-A tile
+    assert sm90.choose_kernel("nvfp4", 65, {}, n=8192) == "wgmma_ws"  # split-K when the tiles are few
+    assert sm90.choose_kernel("nvfp4", 128, {}, n=4096, k=4096) == "wgmma_ws"
     assert sm90.choose_kernel("nvfp4", 256, {}, n=28672) == "wgmma_ws"
-    assert sm90.choose_kernel("nvfp4", 256, {}, n=8192) == "wgmma"  # 64 tiles
-    assert sm90.choose_kernel("nvfp4", 128, {}, n=28672) == "wgmma"
+    assert sm90.choose_kernel("nvfp4", 512, {}, n=2048) == "wgmma_ws"
+    assert sm90.choose_kernel("nvfp4", 1024, {}, n=4096) == "wgmma_ws"
+    assert sm90.choose_kernel("nvfp4", 128, {}, tma_ready=False) == "wgmma"
+    assert sm90.choose_kernel("nvfp4", sm90.WGMMA_MAX_M + 1, {}, tma_ready=False) == "dequant"
     assert sm90.choose_kernel("mxfp4", 2048, {}) == "wgmma_ws"
     assert sm90.choose_kernel("mxfp8", 2048, {}) == "wgmma_ws"
     assert sm90.choose_kernel("nvfp4", 4096, {}) == "wgmma_ws"

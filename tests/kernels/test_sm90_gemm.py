@@ -94,22 +94,35 @@ def test_wgmma_kernel(fmt, m, n, k, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,n,k", [(1, 128, 256), (300, 1000, 2048 + 32), (700, 384, 1024), (1030, 200, 224)])
 def test_wgmma_ws_kernel(fmt, m, n, k, seed):
-    """The CUDA kernel in every launched form: 2-CTA clusters (N = 384: the last cluster's second CTA has
-    no rows and only shares x), none, 4-CTA clusters (N = 200: two of four), 64-row wgmmas with a
-    2-stage ring that wraps (K = 224: 4 steps) and the tile order in groups of 3 m tiles (M = 1030: 17
-    tiles, the last group partial); M ragged against 64-256 rows per CTA. Split-K in 2-3 parts (K = 256: 4
-    steps in 2 parts; K = 2080: 33 steps in 3), also with 2-CTA clusters whose idle CTA takes no ticket."""
+    """The CUDA kernel in every launched form: one CTA per tile, 64-row wgmmas with a 2-stage ring that wraps
+    (K = 224: 4 steps) and the tile order in groups of 3 m tiles (M = 1030: 17 tiles, the last group
+    partial), split-K over clusters of 2, 3 and 4 CTAs (K = 256: 4 steps, so 1 per part, or 2 + 2 + 0
+    in 3; K = 224 in 4 parts of 1; K = 2080: 33 steps, the last part short), and the split chosen by
+    split_for (M = 300, N = 1000: 16 tiles of 256 x 128, so 4 parts); M ragged against 64-256 rows."""
     from microscale.kernels.sm90 import prepare, wgmma_ws as W
     from microscale.kernels.sm90.decode import FMT_CODE
     x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
     prep = prepare(q)
-    for cfg in (W.WsConfig(), W.WsConfig(cluster=2), W.WsConfig(block_m=128, cluster=4),
-                W.WsConfig(block_m=64, stages=2, cluster=1, group_m=3), W.WsConfig(block_m=128, split=3),
-                W.WsConfig(split=2, cluster=2), W.WsConfig(block_m=64, stages=2, split=3)):
+    for cfg in (W.WsConfig(), W.WsConfig(split=1), W.WsConfig(split=2), W.WsConfig(block_m=128, split=3),
+                W.WsConfig(block_m=128, split=4), W.WsConfig(block_m=64, stages=2, split=1, group_m=3),
+                W.WsConfig(block_m=64, stages=2, split=4)):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ws = torch.full((1 << 22,), float("nan"), device="cuda")
-        W.wgmma_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y, workspace=ws)
+        W.wgmma_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y)
         _check(y, y64, mag, k, torch.bfloat16)
+
+
+def test_wgmma_ws_split_parts_sum_in_rank_order(seed):
+    """Split-K is deterministic: the same call twice gives the same bits, and a part with no K steps
+    (K = 128: 2 steps over 4 parts) adds zeros."""
+    from microscale.kernels.sm90 import prepare, wgmma_ws as W
+    from microscale.kernels.sm90.decode import FMT_CODE
+    m, n, k = 200, 256, 128
+    x, q, b, y64, mag = _case("nvfp4", m, n, k, torch.bfloat16, seed)
+    prep = prepare(q)
+    cfg = W.WsConfig(block_m=128, split=4)
+    y = W.wgmma_ws_gemm(x, *prep, b, FMT_CODE["nvfp4"], n, k, cfg)
+    _check(y, y64, mag, k, torch.bfloat16)
+    assert torch.equal(y, W.wgmma_ws_gemm(x, *prep, b, FMT_CODE["nvfp4"], n, k, cfg))
 
 
 def test_wgmma_ws_captured_in_a_cuda_graph(seed):

@@ -328,18 +328,18 @@ def test_split_stops_at_one_full_wave():
 def test_split_workspace_size_is_checked():
     """One [block_m, block_n] fp32 partial per output tile and split; a given workspace that is smaller
     or not fp32 is refused by name (the kernels would write past it)."""
-    from microscale.kernels.sm90.launch import split_workspace, split_workspace_elems
+    from microscale.kernels.sm90.launch import _split_workspace, split_workspace_elems
 
     assert split_workspace_elems(tiles=448, split=2, tile_elems=64 * 8) == 448 * 2 * 512
     assert split_workspace_elems(tiles=448, split=1, tile_elems=64 * 8) == 1  # no split: not read
     ws = torch.empty(448 * 2 * 512)
-    assert split_workspace(ws, 448, 2, 512, "cpu") is ws
-    assert split_workspace(None, 448, 2, 512, "cpu").numel() == 448 * 2 * 512
+    assert _split_workspace(ws, 448, 2, 512, "cpu") is ws
+    assert _split_workspace(None, 448, 2, 512, "cpu").numel() == 448 * 2 * 512
     with pytest.raises(ValueError, match=r"split-K workspace: need 458752 float32 elements \(448 tiles x 2 "
                                          r"splits x 512\), got 458751 torch.float32"):
-        split_workspace(ws[1:], 448, 2, 512, "cpu")
+        _split_workspace(ws[1:], 448, 2, 512, "cpu")
     with pytest.raises(ValueError, match="got 458752 torch.float16"):
-        split_workspace(ws.half(), 448, 2, 512, "cpu")
+        _split_workspace(ws.half(), 448, 2, 512, "cpu")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])

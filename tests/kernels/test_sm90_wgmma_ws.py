@@ -23,9 +23,9 @@ from microscale.kernels.sm90 import wgmma_ws as W  # noqa: E402
 from microscale.kernels.sm90.decode import FMT_CODE  # noqa: E402
 from microscale.quant import quantize  # noqa: E402
 
-# what the tests of test_sm90_gemm.py launch: the default (no cluster), 2- and 4-CTA clusters, the smaller wgmmas
-CONFIGS = (W.WsConfig(), W.WsConfig(cluster=2), W.WsConfig(block_m=128, cluster=4),
-           W.WsConfig(block_m=64, stages=2, cluster=1, group_m=3))
+# what the tests of test_sm90_gemm.py launch: one CTA per tile, split-K over 2- and 4-CTA clusters, the smaller wgmmas
+CONFIGS = (W.WsConfig(split=1), W.WsConfig(split=2), W.WsConfig(block_m=128, split=3), W.WsConfig(block_m=128, split=4),
+           W.WsConfig(block_m=64, stages=2, split=1, group_m=3), W.WsConfig(block_m=64, stages=2, split=4))
 MAX_REGISTERS = 65536 // W.THREADS // 8 * 8  # one CTA of 288 threads per SM
 
 
@@ -46,7 +46,7 @@ def test_generated_source_is_complete():
 
 
 @pytest.mark.parametrize("fmt", list(FMT_CODE))
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-st{c.stages}-cl{c.cluster}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-st{c.stages}-split{c.split}")
 def test_sass_holds_the_pipeline(build, fmt, cfg):
     compiled, sass, resources = build
     assert "C7515" not in compiled.ptxas_log, "ptxas serialized the wgmmas"
@@ -56,18 +56,36 @@ def test_sass_holds_the_pipeline(build, fmt, cfg):
     assert "UTMALDG.2D" in code and "UTMALDG.3D" in code and "UTMALDG.4D" in code  # x, scales, words
     for op in ("SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "WARPGROUP.DEPBAR.LE", "FENCE.VIEW.ASYNC.S"):
         assert op in code, op
-    if cfg.cluster > 1:
-        assert "UCGABAR_ARV" in code and ".MULTICAST" in code
+    if cfg.split > 1:  # partials summed through the cluster's shared memory: generic 16-byte loads, cluster barriers
+        assert code.count("UCGABAR_ARV") == 2 and "LD.E.128" in code
     res = resources[symbol]
     assert res["REG"] <= MAX_REGISTERS and res.get("LOCAL", 0) == 0, res
     assert cfg.smem_bytes(FMT_CODE[fmt]) <= W.SMEM_LIMIT
+
+
+def test_split_for_takes_the_largest_split_whose_clusters_fit_in_one_wave():
+    capacity = {1: 132, 2: 66, 3: 42, 4: 30}  # clusters of each size the H200 holds at once (illustrative)
+    assert W.split_for(200, 128, capacity) == 1  # the tiles alone fill a wave
+    assert W.split_for(64, 128, capacity) == 2
+    assert W.split_for(32, 128, capacity) == 3  # 32 clusters of 4 would take two waves
+    assert W.split_for(30, 128, capacity) == 4
+    assert W.split_for(30, 31, capacity) == 3  # at least MIN_SPLIT_STEPS K steps per part
+    assert W.split_for(30, 8, capacity) == 1
+
+
+def test_a_split_without_a_build_is_refused():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    if not W.supports(x):
+        pytest.skip("wgmma_ws.supports needs cuda-python")
+    with pytest.raises(ValueError, match="split=5"):
+        W.wgmma_ws_gemm(x, None, None, None, None, 0, 128, 64, W.WsConfig(split=5))
 
 
 def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkeypatch):
     """WsConfig.smem_bytes (what the launch asks for) must equal the source's Smem<>::BYTES: any other
     size fails the build, naming the mismatch."""
     monkeypatch.setenv("MICROSCALE_CACHE_DIR", str(tmp_path))
-    cfg = W.WsConfig(stages=3)
+    cfg = W.WsConfig(stages=3, split=1)
     monkeypatch.setattr(W.WsConfig, "smem_bytes", lambda self, fmt_code: W.SMEM_LIMIT - 1)
     with pytest.raises(RuntimeError, match="WsConfig.smem_bytes differs"):
         W._compiled.__wrapped__(((0, cfg),))

@@ -14,11 +14,12 @@ gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
     "decode"  M <= DECODE_MAX_M, except at M = 9-32 where launch.wgmma_beats_decode: dequantize in
               registers into mma.sync (decode.py)
-    "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M and at least WS_MIN_TILES
-              tiles of 256 x 128: the warp-specialized CUDA kernel (wgmma_ws.py: TMA producer warp,
-              two decoding warpgroups)
-    "wgmma"   otherwise M <= WGMMA_MAX_M, bf16 activations, sm_90: dequantize per K step, wgmma with A
-              from those registers or from shared memory (wgmma.py, launch.wgmma_config)
+    "wgmma"   M <= WS_MIN_M - 1 (and M = 9-32 as above), bf16 activations, sm_90: dequantize per K
+              step, wgmma with A from those registers or from shared memory (wgmma.py,
+              launch.wgmma_config); also up to WGMMA_MAX_M when wgmma_ws cannot run
+    "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M: the warp-specialized CUDA kernel
+              (wgmma_ws.py: TMA producer warp, two decoding warpgroups, split-K over clusters when the
+              tiles are few)
     "dequant" otherwise (larger M, fp16/fp32 activations, other architectures, x that TMA cannot
               read, no cuda-python): dequantize into a workspace, then cuBLAS
   options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "wgmma",
@@ -42,13 +43,13 @@ NAME = "sm90"
 DECODE_MAX_M = 32
 WGMMA_MAX_M = 512
 FP8_MIN_M = 1024
-# wgmma_ws where it measured fastest (bench/results/gemm_h200.json, sessions 10-11): from M = 256 when its
-# 256 x 128 tiles fill about one wave of 132 SMs (M = 256, N = 28672: 0.97x cuBLAS bf16 against 0.59x for
-# wgmma; with 64 tiles the two are level); up to M = 4096, where it beats dequant + cuBLAS on 10 of 12
-# format x shape cases (MXFP8 4096x4096 and 8192x8192 4-5% slower); at M = 8192 dequant's extra pass over
-# W has shrunk against the GEMM and it wins on 10 of 12
-WS_MIN_M = 256
-WS_MIN_TILES = 128
+# wgmma_ws where it measured fastest (bench/results/gemm_h200.json, sessions 10-15): from M = 65, with 128
+# activation rows per tile up to M = 128 and split-K over clusters when the tiles are few (session 15,
+# sweep run 15e: faster than wgmma on all 12 weight x format cases at M = 96-512, e.g. 8192x8192 M = 128
+# 64.1 -> 39.3 us; at M = 64 wgmma's register-A tile stays level or ahead); up to M = 4096, where it beats
+# dequant + cuBLAS on 10 of 12 format x shape cases (MXFP8 4096x4096 and 8192x8192 4-5% slower); at
+# M = 8192 dequant's extra pass over W has shrunk against the GEMM and it wins on 10 of 12
+WS_MIN_M = 65
 WS_MAX_M = 4096
 KERNELS = ("decode", "wgmma", "wgmma_ws", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
@@ -93,8 +94,7 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
     elif m <= DECODE_MAX_M and not (wgmma_ready and paths.wgmma_beats_decode(FMT_CODE[fmt], m, n, k)):
         kernel = "decode"
     elif wgmma_ready:
-        ws_tiles = -(-m // wgmma_ws.WsConfig.block_m) * -(-n // wgmma_ws.ROWS)
-        if tma_ready and WS_MIN_M <= m <= WS_MAX_M and ws_tiles >= WS_MIN_TILES:
+        if tma_ready and WS_MIN_M <= m <= WS_MAX_M:
             kernel = "wgmma_ws"
         else:
             kernel = "wgmma" if m <= WGMMA_MAX_M else "dequant"

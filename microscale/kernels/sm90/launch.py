@@ -144,7 +144,7 @@ def sm_count(device_index: int) -> int:
 _TICKETS: dict = {}
 
 
-def split_tickets(device, count: int) -> torch.Tensor:
+def _tickets(device, count: int) -> torch.Tensor:
     """Zeroed per-tile counters for the split-K fix-up; the last program of a tile resets its own."""
     t = _TICKETS.get(device)
     if t is None or t.numel() < count:
@@ -158,7 +158,7 @@ def split_workspace_elems(tiles: int, split: int, tile_elems: int) -> int:
     return tiles * split * tile_elems if split > 1 else 1
 
 
-def split_workspace(workspace, tiles: int, split: int, tile_elems: int, device) -> torch.Tensor:
+def _split_workspace(workspace, tiles: int, split: int, tile_elems: int, device) -> torch.Tensor:
     need = split_workspace_elems(tiles, split, tile_elems)
     if workspace is None:
         return torch.empty(need, dtype=torch.float32, device=device)
@@ -187,7 +187,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.rows_m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    tickets = split_tickets(x.device, tiles_n * tiles_m)
+    tickets = _tickets(x.device, tiles_n * tiles_m)
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
                       U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth, FULL_K=k == kp, KP=cfg.parts)
     # workspace (fp32), steps and split are placeholders until the split is known
@@ -199,7 +199,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     split = _split_for(cfg, tiles_n * tiles_m, part_steps // cfg.unroll // 4, sms, resident)  # >= 4 loop trips
     steps = triton.cdiv(triton.cdiv(part_steps, split), cfg.unroll) * cfg.unroll
     split = triton.cdiv(part_steps, steps)
-    ws = split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.rows_m, x.device)
+    ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.rows_m, x.device)
     args[6], args[12], args[13] = ws, steps, split
     kernel[(tiles_m, tiles_n, split)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps)
     return y
@@ -271,9 +271,9 @@ def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cf
     steps = triton.cdiv(kt, split)
     split = triton.cdiv(kt, steps)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    ws = split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.block_m, x.device)
+    ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.block_m, x.device)
     wgmma.wgmma_gemm_kernel[(tiles_m, tiles_n, split)](
-        x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, split_tickets(x.device, tiles_m * tiles_n),
+        x, data, scale, row_mult, bias if bias is not None else row_mult, y, ws, _tickets(x.device, tiles_m * tiles_n),
         m, n, k, kt, steps, split, x.stride(0), y.stride(0),
         FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=split > 1, NW=cfg.num_warps, BM=cfg.block_m, DEPTH=cfg.depth,
         R=cfg.reps, RS=cfg.rs, num_warps=cfg.num_warps,

@@ -22,7 +22,7 @@ import torch
 
 from .. import nvrtc
 from . import decode
-from .launch import sm_count, split_tickets, split_workspace
+from .launch import sm_count
 from .layout import K_STEP, padded_shape
 
 SOURCE_PATH = Path(__file__).with_name("wgmma_ws.cuh")
@@ -42,15 +42,10 @@ def step_bytes(fmt_code: int) -> tuple:
 class WsConfig:
     block_m: int = 256  # activation rows per CTA: the wgmma's N (64, 128 or 256)
     stages: int = 4  # ring depth (NVFP4 at M = 2048-4096 on the H200: 4 stages 2-4% faster than 5, 3 slower)
-    # CTAs (consecutive row tiles) sharing one load of their activation rows by TMA multicast; alone, 0-17% faster
-    # on 34 of 36 format x shape x M cases at M = 512-2048 than pairs (session 11, sweep runs 11c-11d)
-    cluster: int = 1
     group_m: int = 0  # m tiles per group of the tile order; 0 = about 16 MB of x (default_group_m)
-    split: int = 0  # K splits; 0 = split_for(tiles): enough for about one CTA per SM when tiles are few
-
-    def compiled(self) -> "WsConfig":
-        """The config as the kernel is compiled: split and group_m are launch arguments."""
-        return replace(self, split=0, group_m=0)
+    # K parts per output tile, the CTAs of one cluster (one of SPLITS); 0 = split_for: as many as fit in one
+    # wave when the tiles are few
+    split: int = 0
 
     def smem_bytes(self, fmt_code: int) -> int:
         """Smem<FMT, BM, STAGES>::BYTES of the kernel source: the ring, four A tiles, barriers, alignment slack."""
@@ -92,7 +87,7 @@ def source() -> str:
 
 
 def name_expression(fmt_code: int, cfg: WsConfig) -> str:
-    return f"ms90::wgmma_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.stages}, {cfg.cluster}>"
+    return f"ms90::wgmma_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.stages}, {cfg.split}>"
 
 
 @lru_cache(maxsize=None)
@@ -105,7 +100,7 @@ def _compiled(variants: tuple) -> nvrtc.CompiledKernels:
                                  source=source() + "\n" + "\n".join(checks) + "\n", label=SOURCE_PATH.name, arch=ARCH)
 
 
-def compile_all(fmts=(0, 1, 2), configs=(WsConfig(),)) -> nvrtc.CompiledKernels:
+def compile_all(fmts=(0, 1, 2), configs=(WsConfig(split=1),)) -> nvrtc.CompiledKernels:
     return _compiled(tuple((f, c) for f in fmts for c in configs))
 
 
@@ -125,8 +120,7 @@ _GRAPH_MAPS: list = []
 
 def x_map_spec(x: torch.Tensor, box_rows: int) -> nvrtc.TensorMapSpec:
     """x [M, K] bf16 as (K * 2 bytes, M rows), boxes of one K step (128 bytes) by box_rows rows (a CTA's
-    share of the cluster's activation rows), 128B swizzle (the wgmma's K-major layout); rows past M and
-    columns past K read as zeros."""
+    activation rows), 128B swizzle (the wgmma's K-major layout); rows past M and columns past K read as zeros."""
     return nvrtc.TensorMapSpec(address=x.data_ptr(), global_dims=(x.shape[1] * 2, x.shape[0]),
                                global_strides=(x.stride(0) * 2,), box_dims=(128, box_rows), swizzle="128B")
 
@@ -180,14 +174,32 @@ def default_group_m(block_m: int, kp: int) -> int:
     return max(1, (16 << 20) // (block_m * kp * 2))
 
 
+SPLITS = (1, 2, 3, 4)  # cluster sizes the split-K takes (each one is a compiled variant)
 MIN_SPLIT_STEPS = 8  # K steps of 64 per part at least: shorter parts spend their time filling the ring
 
 
-def split_for(tiles: int, kt: int, sms: int) -> int:
-    """K splits so that `tiles` output tiles make about one CTA per SM (one CTA fits on an SM), never more
-    than one wave and never fewer than MIN_SPLIT_STEPS K steps per part."""
-    split = max(1, min(sms // tiles, kt // MIN_SPLIT_STEPS))
-    return split
+def split_for(tiles: int, kt: int, capacity: dict) -> int:
+    """K parts per tile: the largest of SPLITS whose clusters all fit on the GPU at once (capacity: split ->
+    clusters the device holds at once) with MIN_SPLIT_STEPS K steps or more per part; 1 when even the
+    tiles alone fill a wave. A second wave of clusters costs about as much as the first (H200, session 15:
+    4096x4096 M = 128 in 4 parts, 28.0 us as 32 clusters of 4, 19.4 us with 128 CTAs in one wave)."""
+    return max(s for s in SPLITS if s == 1 or (tiles <= capacity[s] and kt >= s * MIN_SPLIT_STEPS))
+
+
+@lru_cache(maxsize=None)
+def cluster_capacity(fmt_code: int, cfg: "WsConfig", device_index: int) -> dict:
+    """split -> clusters of that many CTAs of the kernel the device holds at once (nvrtc.max_active_clusters
+    of the split = 1 build, whose shared memory and registers its split variants share; where cuda.core
+    cannot say, the SM count over the split)."""
+    kernel = _kernel(fmt_code, replace(cfg, split=1, group_m=0), device_index)
+    sms = sm_count(device_index)
+    capacity = {1: sms}
+    for s in SPLITS[1:]:
+        fit = nvrtc.max_active_clusters(kernel, cluster=s, block=THREADS, smem_bytes=cfg.smem_bytes(fmt_code),
+                                        device_index=device_index,
+                                        stream_handle=torch.cuda.current_stream(device_index).cuda_stream)
+        capacity[s] = sms // s if fit is None else fit
+    return capacity
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -207,14 +219,22 @@ def _have_cuda_python() -> bool:
     return True
 
 
-def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: WsConfig = None, out=None,
-                  workspace=None):
-    """y = x @ W^T (+ bias) for bf16 x [M, K] and prepared weights (layout.shuffle_weights).
-    out / workspace: preallocated y [M, N] and fp32 split-K buffer (tests poison them)."""
+def ws_config(m: int) -> WsConfig:
+    """128 activation rows per tile up to M = 128, else 256; the split from split_for (session 15, sweep run
+    15d: at M = 96-128 the 128-row tile beat the 256-row one on all 12 weight x format cases, 8192x8192
+    M = 128 39.3 against 74.4 us; from M = 192 the 256-row tile is level or ahead, 28672x8192 M = 384
+    360.8 against 422.8)."""
+    return WsConfig(block_m=128 if m <= 128 else 256)
+
+
+def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: WsConfig = None, out=None):
+    """y = x @ W^T (+ bias) for bf16 x [M, K] and prepared weights (layout.shuffle_weights)."""
     if not supports(x):
         raise ValueError(f"wgmma_ws: x must be bf16 with unit column stride and 16-byte-aligned rows (and "
                          f"cuda-python installed), got {x.dtype} of shape {tuple(x.shape)}, strides {x.stride()}")
-    cfg = cfg or WsConfig()
+    cfg = cfg or ws_config(x.shape[0])
+    if cfg.split and cfg.split not in SPLITS:
+        raise ValueError(f"wgmma_ws: split={cfg.split}; the K parts of a tile are a cluster of {SPLITS} CTAs")
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out
@@ -223,21 +243,18 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
     m_tiles, n_tiles = -(-m // cfg.block_m), np_ // ROWS
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     kt = kp // K_STEP
-    split = cfg.split or split_for(m_tiles * n_tiles, kt, sm_count(device))
-    steps = -(-kt // split)
-    split = -(-kt // steps)  # no empty parts
-    tile_elems = ROWS * cfg.block_m
-    ws = split_workspace(workspace, m_tiles * n_tiles, split, tile_elems, x.device)
-    tickets = split_tickets(x.device, m_tiles * n_tiles)
-    tmap = _device_maps((x_map_spec(x, cfg.block_m // cfg.cluster),), x.device)
+    group_m = cfg.group_m or default_group_m(cfg.block_m, kp)
+    if not cfg.split:
+        capacity = cluster_capacity(fmt_code, replace(cfg, split=1, group_m=0), device)
+        cfg = replace(cfg, split=split_for(m_tiles * n_tiles, kt, capacity))
+    cfg = replace(cfg, group_m=0)  # as compiled: group_m is a launch argument
+    tmap = _device_maps((x_map_spec(x, cfg.block_m),), x.device)
     wmaps = _device_maps(weight_map_specs(data, scale, fmt_code), x.device, owner=data)
     args = (tmap.data_ptr(), wmaps.data_ptr(), row_mult.data_ptr(),
-            0 if bias is None else bias.data_ptr(), y.data_ptr(), ws.data_ptr(), tickets.data_ptr(),
+            0 if bias is None else bias.data_ptr(), y.data_ptr(),
             np.int32(m), np.int32(n), np.int32(kt), np.int32(y.stride(0)), np.int32(m_tiles),
-            np.int32(n_tiles), np.int32(cfg.group_m or default_group_m(cfg.block_m, kp)), np.int32(split),
-            np.int32(steps))
-    clusters = split * m_tiles * -(-n_tiles // cfg.cluster)
-    nvrtc.launch(_kernel(fmt_code, cfg.compiled(), device), clusters=clusters, cluster=cfg.cluster,
+            np.int32(n_tiles), np.int32(group_m), np.int32(-(-kt // cfg.split)))
+    nvrtc.launch(_kernel(fmt_code, cfg, device), clusters=m_tiles * n_tiles, cluster=cfg.split,
                  block=THREADS, smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
                  stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)
     return y
