@@ -156,7 +156,7 @@ __device__ __forceinline__ void decode_step(u32 w_addr, u32 s_addr, u32 (&pair)[
 // [r * BM / 8 / SPLIT, (r + 1) * BM / 8 / SPLIT) of every thread over the SPLIT partials in rank order
 // (so the sum does not depend on timing) into acc. The caller stores those chunks of y, then holds a
 // second cluster barrier so that no CTA exits while its peers read its partial.
-template <int BM, int SPLIT>
+template <int BM>
 __device__ __forceinline__ void write_partial(const float (&acc)[BM / 2], u32 partials, bool no_steps) {
   named_barrier_sync(3, 256);  // both warpgroups' wgmmas are done with the ring and the A tiles
 #pragma unroll
@@ -324,7 +324,7 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, c
   }
   int first = 0, last = BM / 8;
   if constexpr (SPLIT > 1) {
-    if (warp != PRODUCER_WARP) write_partial<BM, SPLIT>(acc, smem, my_steps <= 0);
+    if (warp != PRODUCER_WARP) write_partial<BM>(acc, smem, my_steps <= 0);
     cluster_sync();  // every CTA's partial is in place
     first = part * (BM / 8) / SPLIT;
     last = (part + 1) * (BM / 8) / SPLIT;

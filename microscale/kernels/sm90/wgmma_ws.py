@@ -87,6 +87,8 @@ def source() -> str:
 
 
 def name_expression(fmt_code: int, cfg: WsConfig) -> str:
+    if cfg.split not in SPLITS:
+        raise ValueError(f"wgmma_ws: a build needs a split of {SPLITS}, not {cfg.split} (0 is chosen at launch)")
     return f"ms90::wgmma_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.stages}, {cfg.split}>"
 
 
@@ -188,10 +190,10 @@ def split_for(tiles: int, kt: int, capacity: dict) -> int:
 
 @lru_cache(maxsize=None)
 def cluster_capacity(fmt_code: int, cfg: "WsConfig", device_index: int) -> dict:
-    """split -> clusters of that many CTAs of the kernel the device holds at once (nvrtc.max_active_clusters
-    of the split = 1 build, whose shared memory and registers its split variants share; where cuda.core
+    """split -> clusters of that many CTAs of the kernel the device holds at once: nvrtc.max_active_clusters
+    of cfg's split = 1 build, whose shared memory and registers its split variants share (where cuda.core
     cannot say, the SM count over the split)."""
-    kernel = _kernel(fmt_code, replace(cfg, split=1, group_m=0), device_index)
+    kernel = _kernel(fmt_code, cfg, device_index)
     sms = sm_count(device_index)
     capacity = {1: sms}
     for s in SPLITS[1:]:
@@ -221,7 +223,7 @@ def _have_cuda_python() -> bool:
 
 def ws_config(m: int) -> WsConfig:
     """128 activation rows per tile up to M = 128, else 256; the split from split_for (session 15, sweep run
-    15d: at M = 96-128 the 128-row tile beat the 256-row one on all 12 weight x format cases, 8192x8192
+    15e: at M = 96-128 the 128-row tile beat the 256-row one on all 12 weight x format cases, 8192x8192
     M = 128 39.3 against 74.4 us; from M = 192 the 256-row tile is level or ahead, 28672x8192 M = 384
     360.8 against 422.8)."""
     return WsConfig(block_m=128 if m <= 128 else 256)
