@@ -27,6 +27,9 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 128, {}, cc=(8, 9)) == "dequant"  # no wgmma before sm_90
     assert sm90.choose_kernel("nvfp4", 1, {}, cc=(8, 0)) == "decode"  # the decode kernel runs on sm_80
     assert sm90.choose_kernel("nvfp4", 64, {}, n=8192) == "wgmma"  # the register-A tile
+    assert sm90.choose_kernel("nvfp4", 33, {}, n=28672, k=8192) == "wgmma_ws"  # register A, large weight
+    assert sm90.choose_kernel("mxfp8", 64, {}, n=8192, k=28672) == "wgmma_ws"
+    assert sm90.choose_kernel("nvfp4", 64, {}, n=28672, k=8192, tma_ready=False) == "wgmma"
     assert sm90.choose_kernel("nvfp4", 65, {}, n=8192) == "wgmma_ws"  # split-K when the tiles are few
     assert sm90.choose_kernel("nvfp4", 128, {}, n=4096, k=4096) == "wgmma_ws"
     assert sm90.choose_kernel("nvfp4", 256, {}, n=28672) == "wgmma_ws"

@@ -98,14 +98,16 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
     (K = 224: 4 steps) and the tile order in groups of 3 m tiles (M = 1030: 17 tiles, the last group
     partial), split-K over clusters of 2, 3 and 4 CTAs (K = 256: 4 steps, so 1 per part, or 2 + 2 + 0
     in 3; K = 224 in 4 parts of 1; K = 2080: 33 steps, the last part short), and the split chosen by
-    split_for (M = 300, N = 1000: 16 tiles of 256 x 128, so 4 parts); M ragged against 64-256 rows."""
+    split_for (M = 300, N = 1000: 16 tiles of 256 x 128, so 4 parts), A from registers (x permuted per K
+    step, K = 2080 padded) alone and over clusters; M ragged against 32-256 rows."""
     from microscale.kernels.sm90 import prepare, wgmma_ws as W
     from microscale.kernels.sm90.decode import FMT_CODE
     x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
     prep = prepare(q)
     for cfg in (W.WsConfig(), W.WsConfig(split=1), W.WsConfig(split=2), W.WsConfig(block_m=128, split=3),
                 W.WsConfig(block_m=128, split=4), W.WsConfig(block_m=64, stages=2, split=1, group_m=3),
-                W.WsConfig(block_m=64, stages=2, split=4)):
+                W.WsConfig(block_m=64, stages=2, split=4), W.WsConfig(block_m=64, rs=True, split=1),
+                W.WsConfig(block_m=128, rs=True, split=3, stages=6), W.WsConfig(block_m=32, rs=True, split=2)):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         W.wgmma_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y)
         _check(y, y64, mag, k, torch.bfloat16)

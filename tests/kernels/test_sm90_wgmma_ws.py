@@ -23,9 +23,12 @@ from microscale.kernels.sm90 import wgmma_ws as W  # noqa: E402
 from microscale.kernels.sm90.decode import FMT_CODE  # noqa: E402
 from microscale.quant import quantize  # noqa: E402
 
-# what the tests of test_sm90_gemm.py launch: one CTA per tile, split-K over 2- and 4-CTA clusters, the smaller wgmmas
+# what the tests of test_sm90_gemm.py launch: one CTA per tile, split-K over 2- to 4-CTA clusters, the smaller wgmmas,
+# A from registers (alone, in 3 parts, with 32 rows)
 CONFIGS = (W.WsConfig(split=1), W.WsConfig(split=2), W.WsConfig(block_m=128, split=3), W.WsConfig(block_m=128, split=4),
-           W.WsConfig(block_m=64, stages=2, split=1, group_m=3), W.WsConfig(block_m=64, stages=2, split=4))
+           W.WsConfig(block_m=64, stages=2, split=1, group_m=3), W.WsConfig(block_m=64, stages=2, split=4),
+           W.WsConfig(block_m=64, rs=True, split=1), W.WsConfig(block_m=128, rs=True, split=3, stages=6),
+           W.WsConfig(block_m=32, rs=True, split=2))
 MAX_REGISTERS = 65536 // W.THREADS // 8 * 8  # one CTA of 288 threads per SM
 
 
@@ -41,12 +44,13 @@ def build(tmp_path_factory):
 def test_generated_source_is_complete():
     src = W.source()
     assert "// @GENERATED@" not in src
-    for fn in ("decode_nvfp4", "decode_mxfp4", "decode_fp8", "wgmma_bf16<64>", "wgmma_bf16<128>", "wgmma_bf16<256>"):
+    for fn in ("decode_nvfp4", "decode_mxfp4", "decode_fp8", "wgmma_bf16<64>", "wgmma_bf16<128>", "wgmma_bf16<256>",
+               "wgmma_bf16_rs<32>", "wgmma_bf16_rs<64>", "wgmma_bf16_rs<128>"):
         assert fn in src
 
 
 @pytest.mark.parametrize("fmt", list(FMT_CODE))
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-st{c.stages}-split{c.split}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-st{c.stages}-split{c.split}{'-rs' * c.rs}")
 def test_sass_holds_the_pipeline(build, fmt, cfg):
     compiled, sass, resources = build
     assert "C7515" not in compiled.ptxas_log, "ptxas serialized the wgmmas"
@@ -54,13 +58,48 @@ def test_sass_holds_the_pipeline(build, fmt, cfg):
     code = sass[symbol]
     assert len(re.findall(rf"HGMMA\.64x{cfg.block_m}x16\.F32\.BF16", code)) == 4  # one per 16 of the K step
     assert "UTMALDG.2D" in code and "UTMALDG.3D" in code and "UTMALDG.4D" in code  # x, scales, words
-    for op in ("SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "WARPGROUP.DEPBAR.LE", "FENCE.VIEW.ASYNC.S"):
+    for op in ("SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "WARPGROUP.DEPBAR.LE"):
         assert op in code, op
+    # the consumers store the decoded A tiles to shared memory and meet at a warpgroup barrier (128 threads)
+    # before the wgmma reads them, or with rs hand the registers to it (A a register, not a descriptor)
+    assert bool(re.search(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x80", code)) != cfg.rs
+    assert bool(re.search(rf"HGMMA\.64x{cfg.block_m}x16\.F32\.BF16 R\d+, R\d+, gdesc", code)) == cfg.rs
     if cfg.split > 1:  # partials summed through the cluster's shared memory: generic 16-byte loads, cluster barriers
         assert code.count("UCGABAR_ARV") == 2 and "LD.E.128" in code
     res = resources[symbol]
     assert res["REG"] <= MAX_REGISTERS and res.get("LOCAL", 0) == 0, res
     assert cfg.smem_bytes(FMT_CODE[fmt]) <= W.SMEM_LIMIT
+
+
+def test_rs_takes_at_most_128_rows():
+    with pytest.raises(ValueError, match="rs takes block_m up to 128"):
+        W.WsConfig(rs=True)
+
+
+def test_ws_config_follows_m_and_the_weight_size():
+    assert W.ws_config(64, 28672, 8192) == W.WsConfig(block_m=64, rs=True)
+    assert W.ws_config(33, 8192, 28672) == W.WsConfig(block_m=64, rs=True)
+    assert W.ws_config(128, 8192, 8192) == W.WsConfig(block_m=128)
+    assert W.ws_config(129, 28672, 8192) == W.WsConfig(block_m=256)
+
+
+def test_permute_k_puts_each_column_where_the_fragments_expect_it(seed):
+    """permute_k against the fragment order spelled out: in every K step of 64, column 16c + 8h + 2t + i0
+    (k16 slice c; h = 0 for the fragment's k 2t, 2t + 1, h = 1 for 2t + 8, 2t + 9) holds x's column
+    16t + 4c + 2h + i0 (thread t's pairs 2c and 2c + 1); K = 200 pads to 256 with zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 200, generator=g).to(torch.bfloat16)
+    got = W.permute_k(x, 256)
+    want = torch.zeros(3, 256, dtype=torch.bfloat16)
+    for step in range(4):
+        for c in range(4):
+            for h in range(2):
+                for t in range(4):
+                    for i0 in range(2):
+                        src = 64 * step + 16 * t + 4 * c + 2 * h + i0
+                        if src < 200:
+                            want[:, 64 * step + 16 * c + 8 * h + 2 * t + i0] = x[:, src]
+    assert torch.equal(got, want)
 
 
 def test_split_for_takes_the_largest_split_whose_clusters_fit_in_one_wave():

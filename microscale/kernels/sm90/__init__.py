@@ -17,9 +17,9 @@ gemm: picks the kernel from M and the options (docs/dispatch.md):
     "wgmma"   M <= WS_MIN_M - 1 (and M = 9-32 as above), bf16 activations, sm_90: dequantize per K
               step, wgmma with A from those registers or from shared memory (wgmma.py,
               launch.wgmma_config); also up to WGMMA_MAX_M when wgmma_ws cannot run
-    "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M: the warp-specialized CUDA kernel
-              (wgmma_ws.py: TMA producer warp, two decoding warpgroups, split-K over clusters when the
-              tiles are few)
+    "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M, and from M = 33 on weights of
+              wgmma_ws.RS_MIN_WEIGHT elements or more: the warp-specialized CUDA kernel (wgmma_ws.py: TMA
+              producer warp, two decoding warpgroups, split-K over clusters when the tiles are few)
     "dequant" otherwise (larger M, fp16/fp32 activations, other architectures, x that TMA cannot
               read, no cuda-python): dequantize into a workspace, then cuBLAS
   options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "wgmma",
@@ -94,7 +94,8 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
     elif m <= DECODE_MAX_M and not (wgmma_ready and paths.wgmma_beats_decode(FMT_CODE[fmt], m, n, k)):
         kernel = "decode"
     elif wgmma_ready:
-        if tma_ready and WS_MIN_M <= m <= WS_MAX_M:
+        ws_rs = m > DECODE_MAX_M and n * k >= wgmma_ws.RS_MIN_WEIGHT  # register A at M = 33-64 (ws_config)
+        if tma_ready and (WS_MIN_M <= m <= WS_MAX_M or ws_rs):
             kernel = "wgmma_ws"
         else:
             kernel = "wgmma" if m <= WGMMA_MAX_M else "dequant"

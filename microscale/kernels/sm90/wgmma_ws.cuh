@@ -36,14 +36,14 @@ template <int FMT> constexpr int DATA_BYTES = FMT == 2 ? 1024 : 512;  // per row
 template <int FMT> constexpr int SCALE_BYTES = FMT == 0 ? 64 : 32;
 
 // Shared memory: the x ring, four A tiles ([warpgroup][step parity]), the weight ring, barriers.
-template <int FMT, int BM, int STAGES>
+template <int FMT, int BM, int STAGES, bool RS>
 struct Smem {
   static constexpr int X_BYTES = BM * X_ROW_BYTES;
   static constexpr int W_BYTES = 8 * DATA_BYTES<FMT>;
   static constexpr int S_BYTES = 8 * SCALE_BYTES<FMT>;
   static constexpr int X_OFF = 0;
   static constexpr int A_OFF = X_OFF + STAGES * X_BYTES;
-  static constexpr int W_OFF = A_OFF + 4 * A_TILE_BYTES;
+  static constexpr int W_OFF = A_OFF + (RS ? 0 : 4 * A_TILE_BYTES);
   static constexpr int S_OFF = W_OFF + STAGES * W_BYTES;
   static constexpr int FULL_OFF = S_OFF + STAGES * S_BYTES;
   static constexpr int EMPTY_OFF = FULL_OFF + 8 * STAGES;
@@ -191,10 +191,35 @@ __device__ __forceinline__ void sum_partials(float (&acc)[BM / 2], u32 partials,
   }
 }
 
+// A step's wgmma A fragments (m64nNk16 from registers: per k16 slice c, rows g / g + 8 at logical k 2t, 2t + 1
+// and 2t + 8, 2t + 9). Slice c takes the thread's own pairs 2c and 2c + 1 of each row, so logical k
+// 16c + 8h + 2t + i0 is physical k 16t + 4c + 2h + i0: x's K step is permuted the same way (permute_k).
+template <int FMT>
+__device__ __forceinline__ void decode_fragments(u32 w_addr, u32 s_addr, u32 (&a)[4][4]) {
+  u32 pair[2][2][4];
+  decode_step<FMT>(w_addr, s_addr, pair);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int P = 2 * c + h;  // pair[rsel][P / 4][P % 4]: physical k 16t + 2P, +1
+      a[c][2 * h] = pair[0][P / 4][P % 4];
+      a[c][2 * h + 1] = pair[1][P / 4][P % 4];
+    }
+  }
+}
+
+// Pins the A fragments at this point: complete before the wgmma fence, kept until the wgmmas reading them
+// have completed.
+__device__ __forceinline__ void keep_registers(u32 (&a)[4][4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) asm volatile("" : "+r"(a[c][0]), "+r"(a[c][1]), "+r"(a[c][2]), "+r"(a[c][3]) :: "memory");
+}
+
 // The consumers' K loop over `steps` steps of the ring: acc = this CTA's (partial) y^T tile.
-template <int FMT, int BM, int STAGES>
+template <int FMT, int BM, int STAGES, bool RS>
 __device__ __forceinline__ void consume(float (&acc)[BM / 2], u32 smem, u32 full, u32 empty, int steps) {
-  using L = Smem<FMT, BM, STAGES>;
+  using L = Smem<FMT, BM, STAGES, RS>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wg = warp / 4, wq = warp % 4, rg = warp;  // row group rg = 16 weight rows
   const int g = lane / 4, t = lane % 4;
@@ -202,6 +227,27 @@ __device__ __forceinline__ void consume(float (&acc)[BM / 2], u32 smem, u32 full
   const u32 a_tiles = smem + L::A_OFF + wg * 2 * A_TILE_BYTES;
   // acc is not zeroed: the first wgmma ignores it (scale-d 0), and writing the accumulators outside the
   // wgmmas costs (zeroing them here, even behind a branch, made the MXFP8 kernel 2-5% slower at M = 1024-2048)
+  if constexpr (RS) {
+    // A warpgroup waits for its own wgmmas before decoding the next step into the same registers; the
+    // tensor cores meanwhile run the other warpgroup's.
+    for (int kt = 0; kt < steps; ++kt) {
+      const int stage = kt % STAGES;
+      mbar_wait(full + 8 * stage, (kt / STAGES) & 1);
+      u32 frag[4][4];
+      const u32 words = smem + L::W_OFF + stage * L::W_BYTES + rg * DATA_BYTES<FMT> + lane * (DATA_BYTES<FMT> / 32);
+      decode_fragments<FMT>(words, smem + L::S_OFF + stage * L::S_BYTES + rg * SCALE_BYTES<FMT> + scale_lane * 2,
+                            frag);
+      const u32 x_stage = smem + L::X_OFF + stage * L::X_BYTES;
+      keep_registers(frag);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int c = 0; c < 4; ++c) wgmma_bf16_rs<BM>(acc, frag[c], smem_desc_128b(x_stage + 32 * c), kt > 0 || c > 0);
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      keep_registers(frag);
+      if (lane == 0) mbar_arrive(empty + 8 * stage);
+    }
+  } else {
 
   for (int kt = 0; kt < steps; ++kt) {  // kt counts this CTA's steps (the ring's), from the first of its part
     const int stage = kt % STAGES;
@@ -233,6 +279,7 @@ __device__ __forceinline__ void consume(float (&acc)[BM / 2], u32 smem, u32 full
     if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((kt - 1) % STAGES));  // step kt - 1's stage is read
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  }
   fence_accumulators<BM>(acc);
 }
 
@@ -266,12 +313,12 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BM / 2], const flo
   }
 }
 
-template <int FMT, int BM, int STAGES, int SPLIT>
+template <int FMT, int BM, int STAGES, int SPLIT, bool RS>
 __global__ void __launch_bounds__(THREADS, 1)
 wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, const float* __restrict__ row_mult,
               const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int m_tiles,
               int n_tiles, int group_m, int steps) {
-  using L = Smem<FMT, BM, STAGES>;
+  using L = Smem<FMT, BM, STAGES, RS>;
   extern __shared__ unsigned char smem_raw[];
   const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
   const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF;
@@ -320,7 +367,7 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, c
       }
     }
   } else {
-    consume<FMT, BM, STAGES>(acc, smem, full, empty, my_steps);
+    consume<FMT, BM, STAGES, RS>(acc, smem, full, empty, my_steps);
   }
   int first = 0, last = BM / 8;
   if constexpr (SPLIT > 1) {

@@ -40,32 +40,47 @@ def step_bytes(fmt_code: int) -> tuple:
 
 @dataclass(frozen=True)
 class WsConfig:
-    block_m: int = 256  # activation rows per CTA: the wgmma's N (64, 128 or 256)
+    block_m: int = 256  # activation rows per CTA: the wgmma's N (16, 32, 64, 128 or 256)
     stages: int = 4  # ring depth (NVFP4 at M = 2048-4096 on the H200: 4 stages 2-4% faster than 5, 3 slower)
     group_m: int = 0  # m tiles per group of the tile order; 0 = about 16 MB of x (default_group_m)
     # K parts per output tile, the CTAs of one cluster (one of SPLITS); 0 = split_for: as many as fit in one
     # wave when the tiles are few
     split: int = 0
+    # the wgmma's A from the decoded registers (x permuted by permute_k) instead of A tiles the consumers store
+    # to shared memory and the wgmma reads back: no stores, proxy fence or warpgroup barrier per step, but a
+    # warpgroup waits for its own wgmmas before it decodes the next step. Up to 128 rows: with 256 rows'
+    # accumulators ptxas serializes the wgmmas (C7512; branch wgmma-ws-rs)
+    rs: bool = False
+
+    def __post_init__(self):
+        if self.rs and self.block_m > 128:
+            raise ValueError(f"wgmma_ws: rs takes block_m up to 128, got {self.block_m}")
 
     def smem_bytes(self, fmt_code: int) -> int:
-        """Smem<FMT, BM, STAGES>::BYTES of the kernel source: the ring, four A tiles, barriers, alignment slack."""
+        """Smem<FMT, BM, STAGES, RS>::BYTES of the kernel source: the ring, four A tiles (none with rs), barriers,
+        alignment slack."""
         data, scale = step_bytes(fmt_code)
         stage = self.block_m * 128 + 8 * data + 8 * scale
-        nbytes = self.stages * stage + 4 * 64 * 128 + 16 * self.stages + 1024
+        nbytes = self.stages * stage + (0 if self.rs else 4 * 64 * 128) + 16 * self.stages + 1024
         if nbytes > SMEM_LIMIT:
             raise ValueError(f"wgmma_ws: {self} needs {nbytes} bytes of shared memory, more than {SMEM_LIMIT}")
         return nbytes
 
 
-def _wgmma_wrapper(n: int) -> str:
+def _wgmma_wrapper(n: int, rs: bool = False) -> str:
     regs = n // 2
     outs = ", ".join(f"%{i}" for i in range(regs))
     operands = ", ".join(f'"+f"(acc[{i}])' for i in range(regs))
-    ptx = (f"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{regs + 2}, 0;\\n wgmma.mma_async.sync.aligned.m64n{n}k16"
-           f".f32.bf16.bf16 {{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}")
-    return (f"template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float (&acc)[{regs}], u64 a, u64 b,\n"
+    a_regs = 4 if rs else 1
+    a = "{" + ", ".join(f"%{regs + i}" for i in range(4)) + "}" if rs else f"%{regs}"
+    transpose = "0" if rs else "0, 0"
+    ptx = (f"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{regs + a_regs + 1}, 0;\\n wgmma.mma_async.sync.aligned."
+           f"m64n{n}k16.f32.bf16.bf16 {{{outs}}}, {a}, %{regs + a_regs}, p, 1, 1, {transpose};\\n}}")
+    a_param, a_args = ("const u32 (&a)[4]", ", ".join(f'"r"(a[{i}])' for i in range(4))) if rs else ("u64 a", '"l"(a)')
+    name = "wgmma_bf16_rs" if rs else "wgmma_bf16"
+    return (f"template <> __device__ __forceinline__ void {name}<{n}>(float (&acc)[{regs}], {a_param}, u64 b,\n"
             f"                                                            u32 accumulate) {{\n"
-            f'  asm volatile("{ptx}"\n      : {operands}\n      : "l"(a), "l"(b), "r"(accumulate));\n}}\n')
+            f'  asm volatile("{ptx}"\n      : {operands}\n      : {a_args}, "l"(b), "r"(accumulate));\n}}\n')
 
 
 def _decode_function(name: str, fmt_code: int) -> str:
@@ -79,8 +94,11 @@ def _decode_function(name: str, fmt_code: int) -> str:
 
 def source() -> str:
     generated = ["template <int N>\n"
-                 "__device__ __forceinline__ void wgmma_bf16(float (&acc)[N / 2], u64 a, u64 b, u32 accumulate);"]
-    generated += [_wgmma_wrapper(n) for n in (64, 128, 256)]
+                 "__device__ __forceinline__ void wgmma_bf16(float (&acc)[N / 2], u64 a, u64 b, u32 accumulate);",
+                 "template <int N>\n"
+                 "__device__ __forceinline__ void wgmma_bf16_rs(float (&acc)[N / 2], const u32 (&a)[4], u64 b,"
+                 " u32 accumulate);"]
+    generated += [_wgmma_wrapper(n, rs) for rs in (False, True) for n in (16, 32, 64, 128, 256)]
     generated += [_decode_function(name, code) for name, code in
                   (("decode_nvfp4", 0), ("decode_mxfp4", 1), ("decode_fp8", 2))]
     return SOURCE_PATH.read_text().replace("// @GENERATED@", "\n".join(generated))
@@ -89,15 +107,16 @@ def source() -> str:
 def name_expression(fmt_code: int, cfg: WsConfig) -> str:
     if cfg.split not in SPLITS:
         raise ValueError(f"wgmma_ws: a build needs a split of {SPLITS}, not {cfg.split} (0 is chosen at launch)")
-    return f"ms90::wgmma_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.stages}, {cfg.split}>"
+    return f"ms90::wgmma_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.stages}, {cfg.split}, {str(cfg.rs).lower()}>"
 
 
 @lru_cache(maxsize=None)
 def _compiled(variants: tuple) -> nvrtc.CompiledKernels:
     """The kernels of (fmt_code, WsConfig) variants. The launch asks for WsConfig.smem_bytes of shared
     memory, which mirrors the source's Smem<>::BYTES: a static_assert per variant keeps them equal."""
-    checks = [f"static_assert(ms90::Smem<{f}, {c.block_m}, {c.stages}>::BYTES == {c.smem_bytes(f)}, "
-              f"\"WsConfig.smem_bytes differs from Smem<{f}, {c.block_m}, {c.stages}>::BYTES\");" for f, c in variants]
+    smem = [(f, c, f"ms90::Smem<{f}, {c.block_m}, {c.stages}, {str(c.rs).lower()}>") for f, c in variants]
+    checks = [f"static_assert({t}::BYTES == {c.smem_bytes(f)}, \"WsConfig.smem_bytes differs from {t}::BYTES\");"
+              for f, c, t in smem]
     return nvrtc.compile_kernels(tuple(name_expression(f, c) for f, c in variants),
                                  source=source() + "\n" + "\n".join(checks) + "\n", label=SOURCE_PATH.name, arch=ARCH)
 
@@ -171,6 +190,15 @@ def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int) -> 
     return words, scales
 
 
+def permute_k(x: torch.Tensor, kp: int) -> torch.Tensor:
+    """x [M, K] -> [M, kp] (zeros past K), each K step of 64 permuted for WsConfig(rs=True): column
+    16c + 8h + 2t + i0 holds x's 16t + 4c + 2h + i0, the order of the consumers' register fragments."""
+    m, k = x.shape
+    if k != kp:
+        x = torch.nn.functional.pad(x, (0, kp - k))
+    return x.reshape(m, kp // K_STEP, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, kp)
+
+
 def default_group_m(block_m: int, kp: int) -> int:
     """m tiles per group of the kernel's tile order: about 16 MB of x (a third of the H200's L2)."""
     return max(1, (16 << 20) // (block_m * kp * 2))
@@ -221,12 +249,20 @@ def _have_cuda_python() -> bool:
     return True
 
 
-def ws_config(m: int) -> WsConfig:
-    """128 activation rows per tile up to M = 128, else 256; the split from split_for (session 15, sweep run
-    15e: at M = 96-128 the 128-row tile beat the 256-row one on all 12 weight x format cases, 8192x8192
-    M = 128 39.3 against 74.4 us; from M = 192 the 256-row tile is level or ahead, 28672x8192 M = 384
-    360.8 against 422.8)."""
-    return WsConfig(block_m=128 if m <= 128 else 256)
+RS_MIN_WEIGHT = 1 << 27  # elements: from here A from registers pays at M = 33-128 (28672x8192, 8192x28672)
+
+
+def ws_config(m: int, n: int, k: int) -> WsConfig:
+    """64 activation rows per tile up to M = 64, 128 up to M = 128, else 256; A from registers up to M = 128
+    on weights of RS_MIN_WEIGHT elements or more; the split from split_for. From the H200 (session 15,
+    bench/results/sweep_h200.json): at M = 96-128 the 128-row tile beat the 256-row one on all 12 weight x
+    format cases (run 15e: 8192x8192 M = 128 39.3 against 74.4 us), from M = 192 the 256-row tile is level
+    or ahead (28672x8192 M = 384 360.8 against 422.8); register A (runs 15i, 15j) at M = 64 on 28672x8192
+    70.6 against 94.5 us (NVFP4; the Gluon wgmma), at M = 128 112.6 against 140.2, level on 8192x8192 and
+    slower on the smaller weights (4096x4096 M = 128 21.4 against 18.1: it waits for its own wgmmas, and x
+    takes an extra pass)."""
+    block_m = 64 if m <= 64 else 128 if m <= 128 else 256
+    return WsConfig(block_m=block_m, rs=block_m <= 128 and n * k >= RS_MIN_WEIGHT)
 
 
 def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: WsConfig = None, out=None):
@@ -234,7 +270,7 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
     if not supports(x):
         raise ValueError(f"wgmma_ws: x must be bf16 with unit column stride and 16-byte-aligned rows (and "
                          f"cuda-python installed), got {x.dtype} of shape {tuple(x.shape)}, strides {x.stride()}")
-    cfg = cfg or ws_config(x.shape[0])
+    cfg = cfg or ws_config(x.shape[0], n, k)
     if cfg.split and cfg.split not in SPLITS:
         raise ValueError(f"wgmma_ws: split={cfg.split}; the K parts of a tile are a cluster of {SPLITS} CTAs")
     m = x.shape[0]
@@ -250,6 +286,8 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
         capacity = cluster_capacity(fmt_code, replace(cfg, split=1, group_m=0), device)
         cfg = replace(cfg, split=split_for(m_tiles * n_tiles, kt, capacity))
     cfg = replace(cfg, group_m=0)  # as compiled: group_m is a launch argument
+    if cfg.rs:
+        x = permute_k(x, kp)
     tmap = _device_maps((x_map_spec(x, cfg.block_m),), x.device)
     wmaps = _device_maps(weight_map_specs(data, scale, fmt_code), x.device, owner=data)
     args = (tmap.data_ptr(), wmaps.data_ptr(), row_mult.data_ptr(),
