@@ -12,6 +12,9 @@
 //              warpgroup's A tile in the wgmma's 128B-swizzled K-major layout (two tiles, alternating),
 //              and issues 4 wgmma m64nBMk16 (A = decoded weights, B = x from the ring). The decode of
 //              step k runs while the wgmmas of step k - 1 are in flight.
+//              RS (up to 128 activation rows): no A tiles; the decoded words are the wgmma's A fragments in
+//              registers, and x comes in with each K step's columns permuted to the fragments' K order
+//              (wgmma_ws.py: permute_k).
 // The MMA computes y^T = W x^T: weight rows on the wgmma's M side, activation rows on its N side.
 // Epilogue: accumulators times row_mult (plus bias) rounded to bf16, stored straight to y.
 // Split-K, for grids of fewer tiles than SMs: a cluster of SPLIT CTAs shares one output tile, CTA r
@@ -224,7 +227,6 @@ __device__ __forceinline__ void consume(float (&acc)[BM / 2], u32 smem, u32 full
   const int wg = warp / 4, wq = warp % 4, rg = warp;  // row group rg = 16 weight rows
   const int g = lane / 4, t = lane % 4;
   const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (t / 2);  // MX: lanes 2j, 2j+1 share a block of 32
-  const u32 a_tiles = smem + L::A_OFF + wg * 2 * A_TILE_BYTES;
   // acc is not zeroed: the first wgmma ignores it (scale-d 0), and writing the accumulators outside the
   // wgmmas costs (zeroing them here, even behind a branch, made the MXFP8 kernel 2-5% slower at M = 1024-2048)
   if constexpr (RS) {
@@ -248,37 +250,37 @@ __device__ __forceinline__ void consume(float (&acc)[BM / 2], u32 smem, u32 full
       if (lane == 0) mbar_arrive(empty + 8 * stage);
     }
   } else {
-
-  for (int kt = 0; kt < steps; ++kt) {  // kt counts this CTA's steps (the ring's), from the first of its part
-    const int stage = kt % STAGES;
-    mbar_wait(full + 8 * stage, (kt / STAGES) & 1);
-    u32 pair[2][2][4];
-    const u32 words = smem + L::W_OFF + stage * L::W_BYTES + rg * DATA_BYTES<FMT> + lane * (DATA_BYTES<FMT> / 32);
-    decode_step<FMT>(words, smem + L::S_OFF + stage * L::S_BYTES + rg * SCALE_BYTES<FMT> + scale_lane * 2, pair);
-    const u32 a = a_tiles + (kt & 1) * A_TILE_BYTES;
+    const u32 a_tiles = smem + L::A_OFF + wg * 2 * A_TILE_BYTES;
+    for (int kt = 0; kt < steps; ++kt) {  // kt counts this CTA's steps (the ring's), from the first of its part
+      const int stage = kt % STAGES;
+      mbar_wait(full + 8 * stage, (kt / STAGES) & 1);
+      u32 pair[2][2][4];
+      const u32 words = smem + L::W_OFF + stage * L::W_BYTES + rg * DATA_BYTES<FMT> + lane * (DATA_BYTES<FMT> / 32);
+      decode_step<FMT>(words, smem + L::S_OFF + stage * L::S_BYTES + rg * SCALE_BYTES<FMT> + scale_lane * 2, pair);
+      const u32 a = a_tiles + (kt & 1) * A_TILE_BYTES;
 #pragma unroll
-    for (int rsel = 0; rsel < 2; ++rsel) {
-      const u32 row = a + (16 * wq + 8 * rsel + g) * X_ROW_BYTES;
+      for (int rsel = 0; rsel < 2; ++rsel) {
+        const u32 row = a + (16 * wq + 8 * rsel + g) * X_ROW_BYTES;
 #pragma unroll
-      for (int i2 = 0; i2 < 2; ++i2) {
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
-                     :: "r"(row + (((2 * t + i2) ^ g) << 4)), "r"(pair[rsel][i2][0]), "r"(pair[rsel][i2][1]),
-                        "r"(pair[rsel][i2][2]), "r"(pair[rsel][i2][3]) : "memory");
+        for (int i2 = 0; i2 < 2; ++i2) {
+          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                       :: "r"(row + (((2 * t + i2) ^ g) << 4)), "r"(pair[rsel][i2][0]), "r"(pair[rsel][i2][1]),
+                          "r"(pair[rsel][i2][2]), "r"(pair[rsel][i2][3]) : "memory");
+        }
       }
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic-proxy stores -> wgmma reads
-    named_barrier_sync(1 + wg, 128);
-    const u32 x_stage = smem + L::X_OFF + stage * L::X_BYTES;
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic-proxy stores -> wgmma reads
+      named_barrier_sync(1 + wg, 128);
+      const u32 x_stage = smem + L::X_OFF + stage * L::X_BYTES;
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      wgmma_bf16<BM>(acc, smem_desc_128b(a + 32 * c), smem_desc_128b(x_stage + 32 * c), kt > 0 || c > 0);
+      for (int c = 0; c < 4; ++c) {
+        wgmma_bf16<BM>(acc, smem_desc_128b(a + 32 * c), smem_desc_128b(x_stage + 32 * c), kt > 0 || c > 0);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+      if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((kt - 1) % STAGES));  // step kt - 1's stage is read
     }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-    if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((kt - 1) % STAGES));  // step kt - 1's stage is read
-  }
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   }
   fence_accumulators<BM>(acc);
 }
