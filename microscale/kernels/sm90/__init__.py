@@ -96,7 +96,8 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
     elif m <= DECODE_MAX_M and not (wgmma_ready and paths.wgmma_beats_decode(FMT_CODE[fmt], m, n, k)):
         kernel = "decode"
     elif wgmma_ready:
-        ws_rs = m > DECODE_MAX_M and n * k >= wgmma_ws.RS_MIN_WEIGHT  # register A at M = 33-64 (ws_config)
+        # below WS_MIN_M only where wgmma_ws would take A from registers (ws_config: the largest weights)
+        ws_rs = m > DECODE_MAX_M and wgmma_ws.ws_config(m, n, k).rs
         if tma_ready and (WS_MIN_M <= m <= WS_MAX_M or ws_rs):
             kernel = "wgmma_ws"
         else:

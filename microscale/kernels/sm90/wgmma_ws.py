@@ -282,10 +282,10 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     kt = kp // K_STEP
     group_m = cfg.group_m or default_group_m(cfg.block_m, kp)
-    if not cfg.split:
-        capacity = cluster_capacity(fmt_code, replace(cfg, split=1, group_m=0), device)
-        cfg = replace(cfg, split=split_for(m_tiles * n_tiles, kt, capacity))
     cfg = replace(cfg, group_m=0)  # as compiled: group_m is a launch argument
+    if not cfg.split:
+        cfg = replace(cfg, split=split_for(m_tiles * n_tiles, kt, cluster_capacity(fmt_code, replace(cfg, split=1),
+                                                                                    device)))
     if cfg.rs:
         x = permute_k(x, kp)
     tmap = _device_maps((x_map_spec(x, cfg.block_m),), x.device)
