@@ -21,11 +21,11 @@ contiguous bytes:
 Word q of a lane holds its elements 8q .. 8q+7 (FP4) or 4q .. 4q+3 (FP8) in register order:
 rows g + 8 rsel, logical k = 32 khi + 8t + i (+ 4 k4), q = (khi, rsel[, k4]), last bit fastest.
 
-Bits inside an FP4 word are placed so that masks, rotations and one multiply turn it into four bf16x2
-registers (FP4_BITS below): E2M1 sign -> bf16 bit 15, exponent and mantissa -> bits 8..6. That is
-value * 2**-126, the E2M1 subnormal landing on a bf16 subnormal; the factor is folded into the
-block scale. MXFP8 bytes are placed so that (w & 0x80008000) | ((w >> 4) & 0x07F007F0) and the
-same of (w << 8) are two bf16x2 registers holding value * 2**-120.
+Bits inside a word are placed so that a few masks, shifts and rotations turn it into bf16x2 registers
+(FP4_BITS, FP8_BITS below): an element's sign goes to bf16 bit 15, its exponent and mantissa to the
+bf16 exponent's low bits and the mantissa's high bits (E2M1: 8..6, E4M3: 10..4). That is value *
+2**-126 (E2M1) or 2**-120 (E4M3), the format's subnormals landing on bf16 subnormals; the factor is
+folded into the block scale.
 
 Block scales are rewritten as one byte per block whose bf16x2 multiplier s' the kernel makes with
 one integer multiply-add, and the rest goes into a per-row float32 factor (row_mult) applied to
@@ -74,8 +74,13 @@ FP4_BITS = (
     (25, 26, 27, 2), (9, 10, 11, 18),
     (4, 0, 1, 3), (20, 16, 17, 19),
 )
-# MXFP8: byte of the word that holds element i (elements 0, 1 -> bytes 1, 3; 2, 3 -> bytes 0, 2).
-FP8_BYTE_OF_ELEMENT = (1, 3, 0, 2)
+# E4M3: FP8_BITS[i] = word bit positions of (mantissa 0..2, exponent 0..3, sign) of element i (register
+# j = i // 2, low half first). Register 0 is w & 0x87F087F0; register 1 is ((w << 4) & 0x80F080F0) |
+# ((w >> 4) & 0x07000700): 5 integer instructions per word where whole bytes took 7.
+FP8_BITS = (
+    (4, 5, 6, 7, 8, 9, 10, 15), (20, 21, 22, 23, 24, 25, 26, 31),
+    (0, 1, 2, 3, 12, 13, 14, 11), (16, 17, 18, 19, 28, 29, 30, 27),
+)
 
 NVFP4_SCALE_SHIFT = 118  # s' = s * 2**118: e4m3 [2**-9, 448] -> bf16 exponent fields 236 .. 253
 NVFP4_SCALE_BASE = 0x7580  # bf16 bits of s' = NVFP4_SCALE_BASE + 16 * code
@@ -163,22 +168,32 @@ def _thread_order(codes: torch.Tensor) -> torch.Tensor:
     return c.permute(*THREAD_ORDER)
 
 
-def _shuffle_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes [Np, Kp] -> data [Np/16, Kp/64 * 512] uint8 (see module docstring)."""
-    c = _thread_order(codes).reshape(codes.shape[0] // 16, codes.shape[1] // 64, 32, 4, 8)
-    c = c.to(torch.int32)
-    word = torch.zeros(c.shape[:-1], dtype=torch.int32, device=codes.device)
-    for i, positions in enumerate(FP4_BITS):
+def _place_bits(codes: torch.Tensor, bits: tuple) -> torch.Tensor:
+    """Element codes [..., E] (E = len(bits)) -> int32 words [...], bit b of element i at bits[i][b]."""
+    word = torch.zeros(codes.shape[:-1], dtype=torch.int32, device=codes.device)
+    c = codes.to(torch.int32)
+    for i, positions in enumerate(bits):
         for bit, pos in enumerate(positions):
             word |= ((c[..., i] >> bit) & 1) << pos
-    return word.reshape(codes.shape[0] // 16, -1).contiguous().view(torch.uint8)
+    return word
 
 
-def _shuffle_fp8(codes: torch.Tensor) -> torch.Tensor:
-    """E4M3 bytes [Np, Kp] -> data [Np/16, Kp/64 * 1024] uint8 (see module docstring)."""
-    c = _thread_order(codes).reshape(codes.shape[0] // 16, codes.shape[1] // 64, 32, 8, 4)
-    element_of_byte = [FP8_BYTE_OF_ELEMENT.index(byte) for byte in range(4)]
-    return c[..., element_of_byte].reshape(codes.shape[0] // 16, -1).contiguous()
+def _gather_bits(word: torch.Tensor, bits: tuple) -> torch.Tensor:
+    """The inverse of _place_bits: int32 words [...] -> element codes [..., E] (uint8)."""
+    elements = []
+    for positions in bits:
+        code = torch.zeros_like(word)
+        for bit, pos in enumerate(positions):
+            code |= ((word >> pos) & 1) << bit
+        elements.append(code)
+    return torch.stack(elements, dim=-1).to(torch.uint8)
+
+
+def _shuffle_codes(codes: torch.Tensor, bits: tuple) -> torch.Tensor:
+    """Element codes [Np, Kp] -> data [Np/16, Kp/64 * (512 | 1024)] uint8 (see module docstring)."""
+    per_word = len(bits)  # 8 E2M1 or 4 E4M3 codes
+    c = _thread_order(codes).reshape(codes.shape[0] // 16, codes.shape[1] // 64, 32, 32 // per_word, per_word)
+    return _place_bits(c, bits).reshape(codes.shape[0] // 16, -1).contiguous().view(torch.uint8)
 
 
 def _shuffle_scales(code: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
@@ -200,7 +215,7 @@ def shuffle_weights(q: QTensor):
         if not q.fmt.packed and bool(((codes & 0x7F) == 0x7F).any()):
             raise ValueError(f"prepare(mxfp8 {list(q.shape)}): weights contain NaN (E4M3 0x7F/0xFF)")
         scale_code, row_mult = _mx_scale_codes(q, codes, np_, kp)
-    data = _shuffle_fp4(codes) if q.fmt.packed else _shuffle_fp8(codes)
+    data = _shuffle_codes(codes, FP4_BITS if q.fmt.packed else FP8_BITS)
     return data, _shuffle_scales(scale_code, q.fmt), row_mult
 
 
@@ -211,19 +226,10 @@ def _from_thread_order(c: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
     return c.permute(*[THREAD_ORDER.index(d) for d in range(9)]).reshape(np_, kp)
 
 
-def _unshuffle_fp4(data: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
-    word = data.view(torch.int32).view(np_ // 16, kp // 64, 32, 4)
-    elements = []
-    for positions in FP4_BITS:
-        code = torch.zeros_like(word)
-        for bit, pos in enumerate(positions):
-            code |= ((word >> pos) & 1) << bit
-        elements.append(code)
-    return _from_thread_order(torch.stack(elements, dim=-1).to(torch.uint8), np_, kp)
-
-
-def _unshuffle_fp8(data: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
-    return _from_thread_order(data.view(np_ // 16, kp // 64, 32, 8, 4)[..., list(FP8_BYTE_OF_ELEMENT)], np_, kp)
+def _unshuffle_codes(data: torch.Tensor, bits: tuple, np_: int, kp: int) -> torch.Tensor:
+    words_per_lane = 32 // len(bits)
+    word = data.view(torch.int32).view(np_ // 16, kp // 64, 32, words_per_lane)
+    return _from_thread_order(_gather_bits(word, bits), np_, kp)
 
 
 def _unshuffle_scales(scale: torch.Tensor, fmt: FormatSpec, np_: int, kp: int) -> torch.Tensor:
@@ -257,7 +263,7 @@ def unshuffle_weights(data: torch.Tensor, scale: torch.Tensor, row_mult: torch.T
         raise ValueError(f"unshuffle_weights({fmt.name} {list(shape)}): expected data {list(want_data)}, scale "
                          f"{list(want_scale)}, row_mult [{np_}]; got {list(data.shape)}, {list(scale.shape)}, "
                          f"{list(row_mult.shape)}")
-    codes = _unshuffle_fp4(data, np_, kp) if fmt.packed else _unshuffle_fp8(data, np_, kp)
+    codes = _unshuffle_codes(data, FP4_BITS if fmt.packed else FP8_BITS, np_, kp)
     scale_code = _unshuffle_scales(scale, fmt, np_, kp)
     if fmt.global_scale:
         block_scale = _nvfp4_block_scales(scale_code)
