@@ -289,20 +289,19 @@ class DequantConfig:
     unroll: int = 2
 
 
-def dequant_config(fmt_code: int, rows: int, kt: int) -> DequantConfig:
-    """From the sweep on the H200 (bench/dequant_probe.py): one 128 x 64 tile of 8 warps per program
-    (FP4 2.3-2.8 TB/s against 1.9-2.1 for 4 warps by 128 K); MXFP8 with 256 x 256 tiles where they
-    divide the weight (3.1-3.2 TB/s, against 2.9-3.0 for the 128 x 64 tile)."""
-    if fmt_code == 2 and rows % 256 == 0 and kt % 4 == 0:
-        return DequantConfig(num_warps=8, reps=2, unroll=4)
-    return DequantConfig(num_warps=8, reps=1, unroll=1)
+# One tile of 8 warps, 128 rows by 64 K, per program, for every format (bench/dequant_probe.py on the H200:
+# FP4 2.3-2.8 TB/s against 1.9-2.1 for 4 warps by 128 K). MXFP8 took 256 x 256 tiles until its words were
+# bit-placed (layout.FP8_BITS, session 16): that tile then needed 124 registers instead of 180, ran two
+# programs per SM instead of one and took 35% longer; this one takes 4-6% longer than the old 256 x 256
+# kernel on the 8192 x 8192 and 28672 x 8192 weights and 3% less on 4096 x 4096 (sweep_h200.json run 16g).
+DEQUANT_TILE = DequantConfig(num_warps=8, reps=1, unroll=1)
 
 
 def dequantize_rows(data, scale, row_mult, fmt_code: int, n0: int, rows: int, kp: int, out: torch.Tensor,
                     cfg: DequantConfig = None):
     """out[:rows, :kp] = W[n0 : n0+rows] in out's dtype (rows a multiple of the tile's)."""
     kt = kp // K_STEP
-    cfg = cfg or dequant_config(fmt_code, rows, kt)
+    cfg = cfg or DEQUANT_TILE
     rg0 = n0 // ROW_GROUP
     tile_rows = ROW_GROUP * cfg.num_warps * cfg.reps
     if rows % tile_rows or kt % cfg.unroll:
