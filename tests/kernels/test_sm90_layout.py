@@ -98,6 +98,20 @@ def test_word_decodes_every_code_pair_exactly(fmt, seed):
         assert torch.equal(lo, want[:, 0]) and torch.equal(hi, want[:, 1]), f"register {j}"
 
 
+def test_register_a_k_order_is_the_gluon_wgmmas():
+    """layout.RS_K_BITS (which wgmma_ws's fragments and permute_k follow) is the order the Gluon wgmma's
+    register layouts impose: wgmma._hardware_k_order relabels the decoded tile's logical K (the reshape and
+    permute written out here again) and layout.py maps logical k = 32 khi + 8t + 4 i2 + 2 i1 + i0 to
+    physical 16t + 8 i2 + 4 i1 + 2 khi + i0."""
+    from microscale.kernels.sm90.layout import rs_physical_k
+
+    logical = torch.arange(64).reshape(2, 2, 2, 2, 2, 2).permute(0, 3, 4, 1, 2, 5).reshape(64)
+    khi, t, i2, i1, i0 = logical >> 5, (logical >> 3) & 3, (logical >> 2) & 1, (logical >> 1) & 1, logical & 1
+    physical = 16 * t + 8 * i2 + 4 * i1 + 2 * khi + i0
+    assert physical.tolist() == [rs_physical_k(j) for j in range(64)]
+    assert sorted(physical.tolist()) == list(range(64))
+
+
 def _weights(n, k, kind, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))

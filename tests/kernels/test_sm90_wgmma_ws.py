@@ -86,7 +86,8 @@ def test_ws_config_follows_m_and_the_weight_size():
 def test_permute_k_puts_each_column_where_the_fragments_expect_it(seed):
     """permute_k against the fragment order spelled out: in every K step of 64, column 16c + 8h + 2t + i0
     (k16 slice c; h = 0 for the fragment's k 2t, 2t + 1, h = 1 for 2t + 8, 2t + 9) holds x's column
-    16t + 4c + 2h + i0 (thread t's pairs 2c and 2c + 1); K = 200 pads to 256 with zeros."""
+    16t + 8 (c & 1) + 4h + 2 (c >> 1) + i0 (thread t's pair P = 4 (c & 1) + 2h + (c >> 1), decode_fragments
+    in wgmma_ws.cuh); K = 200 pads to 256 with zeros."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 200, generator=g).to(torch.bfloat16)
     got = W.permute_k(x, 256)
@@ -96,7 +97,7 @@ def test_permute_k_puts_each_column_where_the_fragments_expect_it(seed):
             for h in range(2):
                 for t in range(4):
                     for i0 in range(2):
-                        src = 64 * step + 16 * t + 4 * c + 2 * h + i0
+                        src = 64 * step + 16 * t + 8 * (c & 1) + 4 * h + 2 * (c >> 1) + i0
                         if src < 200:
                             want[:, 64 * step + 16 * c + 8 * h + 2 * t + i0] = x[:, src]
     assert torch.equal(got, want)

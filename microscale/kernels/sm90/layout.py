@@ -82,6 +82,18 @@ FP8_BITS = (
     (0, 1, 2, 3, 12, 13, 14, 11), (16, 17, 18, 19, 28, 29, 30, 27),
 )
 
+# wgmma with A from the decoded registers (wgmma.py RS, wgmma_ws.py rs): bit b of the wgmma's k within a K step
+# meets the weight of physical k bit RS_K_BITS[b] (physical k = 16t + 8 i2 + 4 i1 + 2 khi + i0, above), so the
+# activations' columns are permuted the same way. The Gluon kernel's register layouts fix this order
+# (wgmma._hardware_k_order); the CUDA kernel takes its fragments in the same order.
+RS_K_BITS = (1, 16, 32, 4, 8, 2)
+
+
+def rs_physical_k(j: int) -> int:
+    """The physical k (within a K step) at the register-A wgmma's k = j."""
+    return sum(bit for b, bit in enumerate(RS_K_BITS) if j >> b & 1)
+
+
 NVFP4_SCALE_SHIFT = 118  # s' = s * 2**118: e4m3 [2**-9, 448] -> bf16 exponent fields 236 .. 253
 NVFP4_SCALE_BASE = 0x7580  # bf16 bits of s' = NVFP4_SCALE_BASE + 16 * code
 ELEMENT_BIAS_SHIFT = {"e2m1": 126, "e4m3": 120}  # decoded register = value * 2**-shift

@@ -24,8 +24,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from . import layout as hopper_layout
 from .decode import K_STEP, ROW_GROUP, _dequant_tile, _finish, _load_w, _to_physical_k, _weight_tile_pointers
 
+RS_K_BITS = gl.constexpr(hopper_layout.RS_K_BITS)
 X_AHEAD = gl.constexpr(2)  # activation tiles in flight (cp.async) ahead of the step being multiplied
 STAGES = gl.constexpr(X_AHEAD + 3)
 
@@ -44,7 +46,7 @@ def _copy_x(x_smem, x_ptr, x_row_ok, x_k, step, k_end, K):
 def _hardware_k_order(a, BN: gl.constexpr):
     """Decoded tile [BN, 64] in the decode kernel's logical K order -> the wgmma's register A operand,
     relabelled so column j is the hardware's k (only registers renamed): j bits (1, 2, 4, 8, 16, 32)
-    are logical k bits (1, 8, 16, 2, 4, 32)."""
+    are logical k bits (1, 8, 16, 2, 4, 32), that is physical k bits layout.RS_K_BITS."""
     return a.reshape(BN, 2, 2, 2, 2, 2, 2).permute(0, 1, 4, 5, 2, 3, 6).reshape(BN, K_STEP)
 
 
@@ -70,12 +72,13 @@ def _step(acc, tile, step, w_smem, x_smem, x_ptr, x_row_ok, x_k, k_end, K, FMT: 
 @gluon.jit
 def _x_columns(RS: gl.constexpr, layout: gl.constexpr):
     """x column (true k within a K step) of each column j of the activation tile in shared memory: j
-    itself, or with RS the column that meets the weights at the wgmma's k = j (_hardware_k_order after
-    layout.py's k = 16t + 8 i2 + 4 i1 + 2 khi + i0): j bits (1, 2, 4, 8, 16, 32) -> k bits (1, 16, 32, 4, 8, 2)."""
+    itself, or with RS the column that meets the weights at the wgmma's k = j (layout.RS_K_BITS)."""
     j = gl.arange(0, K_STEP, layout=gl.SliceLayout(0, layout))
     if RS:
-        j = (j & 1) | (j & 2) << 3 | (j & 4) << 3 | (j & 8) >> 1 | (j & 16) >> 1 | (j & 32) >> 4
-        j = gl.max_contiguous(gl.multiple_of(j, [2]), [2])  # pairs stay together: 4-byte copies
+        k = j & 1
+        for b in gl.static_range(1, 6):
+            k = k | ((j >> b) & 1) * RS_K_BITS[b]
+        j = gl.max_contiguous(gl.multiple_of(k, [2]), [2])  # pairs stay together: 4-byte copies
     return j
 
 

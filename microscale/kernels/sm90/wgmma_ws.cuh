@@ -195,8 +195,9 @@ __device__ __forceinline__ void sum_partials(float (&acc)[BM / 2], u32 partials,
 }
 
 // A step's wgmma A fragments (m64nNk16 from registers: per k16 slice c, rows g / g + 8 at logical k 2t, 2t + 1
-// and 2t + 8, 2t + 9). Slice c takes the thread's own pairs 2c and 2c + 1 of each row, so logical k
-// 16c + 8h + 2t + i0 is physical k 16t + 4c + 2h + i0: x's K step is permuted the same way (permute_k).
+// and 2t + 8, 2t + 9), in layout.RS_K_BITS's order, the one the Gluon wgmma's register layouts impose:
+// logical k 16c + 8h + 2t + i0 is physical k 16t + 8 (c & 1) + 4h + 2 (c >> 1) + i0, the thread's pair
+// P = 4 (c & 1) + 2h + (c >> 1). x's K step is permuted the same way (permute_k).
 template <int FMT>
 __device__ __forceinline__ void decode_fragments(u32 w_addr, u32 s_addr, u32 (&a)[4][4]) {
   u32 pair[2][2][4];
@@ -205,7 +206,7 @@ __device__ __forceinline__ void decode_fragments(u32 w_addr, u32 s_addr, u32 (&a
   for (int c = 0; c < 4; ++c) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int P = 2 * c + h;  // pair[rsel][P / 4][P % 4]: physical k 16t + 2P, +1
+      const int P = 4 * (c & 1) + 2 * h + (c >> 1);  // pair[rsel][P / 4][P % 4]: physical k 16t + 2P, +1
       a[c][2 * h] = pair[0][P / 4][P % 4];
       a[c][2 * h + 1] = pair[1][P / 4][P % 4];
     }

@@ -23,7 +23,7 @@ import torch
 from .. import nvrtc
 from . import decode
 from .launch import sm_count
-from .layout import K_STEP, padded_shape
+from .layout import K_STEP, RS_K_BITS, padded_shape
 
 SOURCE_PATH = Path(__file__).with_name("wgmma_ws.cuh")
 ARCH = "sm_90a"
@@ -191,12 +191,14 @@ def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int) -> 
 
 
 def permute_k(x: torch.Tensor, kp: int) -> torch.Tensor:
-    """x [M, K] -> [M, kp] (zeros past K), each K step of 64 permuted for WsConfig(rs=True): column
-    16c + 8h + 2t + i0 holds x's 16t + 4c + 2h + i0, the order of the consumers' register fragments."""
+    """x [M, K] -> [M, kp] (zeros past K), each K step of 64 permuted for WsConfig(rs=True): column j holds
+    x's column layout.rs_physical_k(j), the order in which the consumers take their register fragments."""
     m, k = x.shape
     if k != kp:
         x = torch.nn.functional.pad(x, (0, kp - k))
-    return x.reshape(m, kp // K_STEP, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, kp)
+    k_bits = [32, 16, 8, 4, 2, 1]  # dims 2-7 of the view below
+    order = [2 + k_bits.index(RS_K_BITS[b]) for b in reversed(range(6))]
+    return x.reshape(m, kp // K_STEP, 2, 2, 2, 2, 2, 2).permute(0, 1, *order).reshape(m, kp)
 
 
 def default_group_m(block_m: int, kp: int) -> int:
