@@ -75,7 +75,7 @@ def _x_columns(RS: gl.constexpr, layout: gl.constexpr):
     itself, or with RS the column that meets the weights at the wgmma's k = j (layout.RS_K_BITS)."""
     j = gl.arange(0, K_STEP, layout=gl.SliceLayout(0, layout))
     if RS:
-        k = j & 1
+        k = j & 1  # RS_K_BITS[0] is 1: k pairs stay together (bf16x2 registers, 4-byte copies)
         for b in gl.static_range(1, 6):
             k = k | ((j >> b) & 1) * RS_K_BITS[b]
         j = gl.max_contiguous(gl.multiple_of(k, [2]), [2])  # pairs stay together: 4-byte copies
