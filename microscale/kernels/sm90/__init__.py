@@ -48,9 +48,9 @@ FP8_MIN_M = 1024
 # sweep run 15e: faster than wgmma on all 12 weight x format cases at M = 96-512, e.g. 8192x8192 M = 128
 # 64.1 -> 39.3 us; at M = 64 wgmma's register-A tile stays level or ahead, except on weights of
 # wgmma_ws.RS_MIN_WEIGHT elements or more, where wgmma_ws with A from registers takes M = 33-64 too: runs
-# 15i/15j, 28672x8192 M = 64 94.5 -> 70.6 us); up to M = 4096, where it beats
-# dequant + cuBLAS on 10 of 12 format x shape cases (MXFP8 4096x4096 and 8192x8192 4-5% slower); at
-# M = 8192 dequant's extra pass over W has shrunk against the GEMM and it wins on 10 of 12
+# 15i/15j, 28672x8192 M = 64 94.5 -> 70.6 us); up to M = 4096, where it is ahead of dequant + cuBLAS in 31
+# of 36 format x shape x M records (the others within 1-6%); at M = 8192 dequant's extra pass over W has
+# shrunk against the GEMM and it is ahead on 9 of 12 (records of session 16, docs/dispatch.md)
 WS_MIN_M = 65
 WS_MAX_M = 4096
 KERNELS = ("decode", "wgmma", "wgmma_ws", "dequant", "fp8")
