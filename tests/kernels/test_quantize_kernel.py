@@ -9,7 +9,8 @@ and encodes MXFP8 elements with the hardware float8 conversion; under the interp
 tl.fma rounds twice and whose float8 casts do not round to nearest even) it divides with div_rn
 and encodes with integer arithmetic. So the GPU tests add inputs aimed at that division: elements
 within a few ulp of every E2M1 decision point for many divisors, and global scales that push the
-divisors to overflow, to subnormals and the quotients to underflow.
+divisors to overflow, to subnormals and the quotients to underflow; and every bf16 and fp16
+magnitude under blocks of every NVFP4 scale code.
 Inputs: Gaussian data over many binades, zeros, all-zero rows and blocks, subnormals, values near
 the format maxima and exact E2M1 rounding ties; ragged M and K.
 """
@@ -123,6 +124,41 @@ def _run_division_cases(device, blocks, rows, seed, near=DECISION_SCALES, extrem
                              quantize(x, "nvfp4", global_scale=g, scale_layout="swizzled"))
 
 
+def every_magnitude(dtype) -> torch.Tensor:
+    """Every finite non-negative value of a 16-bit dtype, ascending, as float32."""
+    top = 0x7F80 if dtype == torch.bfloat16 else 0x7C00
+    return torch.arange(top, dtype=torch.int32).to(torch.int16).view(dtype).float()
+
+
+def nvfp4_divisors(g: float) -> torch.Tensor:
+    """The block divisor d = RN(scale / g) of every E4M3 scale code (code 0: the 0.125 that
+    replaces a zero scale; 127 is NaN, never a scale), float32 [128], as the reference computes it."""
+    from microscale.formats import e4m3_decode
+    s = e4m3_decode(torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn))
+    s[0] = 0.125
+    return s / torch.tensor(g, dtype=torch.float32)
+
+
+def every_value_blocks(dtype, g: float, seed: int) -> torch.Tensor:
+    """[rows, 256] of dtype: NVFP4 blocks whose maximum gives each E4M3 scale code (and the zero
+    scale), each code's blocks holding every magnitude of the dtype up to that maximum once, with
+    random signs, in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    x, d = every_magnitude(dtype), nvfp4_divisors(g)
+    blocks = []
+    for c in range(127):
+        top = (6 * d[c] if c else torch.tensor(6 * 2.0**-11 / g)).to(dtype).float()  # code 0: a zero scale
+        vals = x[(x <= top) & (x > 0)] if torch.isfinite(top) else x
+        vals = vals[torch.randperm(len(vals), generator=gen)]
+        n = -(-len(vals) // 15) * 15  # whole blocks: the first values again at the end
+        vals = vals.repeat(-(-n // len(vals)))[:n].reshape(-1, 15)
+        vals = torch.where(torch.rand(vals.shape, generator=gen) < 0.5, -vals, vals)
+        blocks.append(torch.cat([vals.abs().amax(1, keepdim=True), vals], 1))
+    blocks = torch.cat(blocks)
+    blocks = torch.cat([blocks, blocks[: (-len(blocks)) % 16]])
+    return blocks.reshape(-1, 256).to(dtype)
+
+
 _INTERPRETED = """
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
@@ -162,6 +198,18 @@ def test_quantize_kernel_gpu_extreme_global_scale(g, seed):
     """Block divisors that overflow to inf (every x / inf is 0), that are subnormal, and quotients
     that underflow (a negative element whose quotient rounds to -0 gets code 0, not the sign bit)."""
     _run_division_cases("cuda", 0, 256, seed, near=[], extreme=[g])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("g", [1.0, 7e-3, 3e4])
+def test_quantize_kernel_gpu_every_16bit_value(dtype, g, seed):
+    """NVFP4 on every magnitude of the dtype under blocks of every scale code (a few hundred
+    thousand blocks), against the reference bit for bit."""
+    from microscale.kernels.quantize import quantize_gpu
+    x = every_value_blocks(dtype, g, seed).cuda()
+    assert_bit_identical(quantize_gpu(x, "nvfp4", global_scale=g),
+                         quantize(x, "nvfp4", global_scale=g, scale_layout="swizzled"))
 
 
 @pytest.mark.gpu
