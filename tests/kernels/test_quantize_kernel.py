@@ -204,8 +204,8 @@ def test_quantize_kernel_gpu_extreme_global_scale(g, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("g", [1.0, 7e-3, 3e4])
 def test_quantize_kernel_gpu_every_16bit_value(dtype, g, seed):
-    """NVFP4 on every magnitude of the dtype under blocks of every scale code (a few hundred
-    thousand blocks), against the reference bit for bit."""
+    """NVFP4 on every magnitude of the dtype under blocks of every scale code (37 to 220 thousand
+    blocks, by dtype and g), against the reference bit for bit."""
     from microscale.kernels.quantize import quantize_gpu
     x = every_value_blocks(dtype, g, seed).cuda()
     assert_bit_identical(quantize_gpu(x, "nvfp4", global_scale=g),
