@@ -13,7 +13,17 @@ Two thread layouts (TILE picks one per format; measured on the H200, bench/resul
   contiguous; the block maximum takes shuffles and the 4 lanes of a block repeat its per-block work.
 
 How the per-element work stays cheap and exact (the FP4 kernels are ALU-bound otherwise):
-- NVFP4 divides every element by its block's d = scale / global_scale. A correctly rounded
+- NVFP4 with bf16 / fp16 x (PACKED) divides nothing: a block's element codes depend only on where
+  |x| lies against 8 breakpoints, the smallest values of x's dtype whose quotient x / d (d = scale /
+  global_scale) reaches each E2M1 decision point, and the smallest whose quotient is not zero (the
+  sign bit). `nvfp4_table_kernel` finds them exactly per call for all 128 scale codes; the kernel
+  reads x as int32 words and codes a 16-byte chunk (8 elements) in one PTX routine: 8 packed
+  comparisons per word (set.u32.bf16x2: a 0xFFFF mask per half), the 7 magnitude masks summed
+  times -(2**16 + 1), which leaves each half's count in its half, then byte permutes
+  (_e2m1_chunk_asm). 506 SASS instructions per thread of the NVFP4 tile instead of 676; the sums
+  are multiply-adds because the ALU pipe (comparisons, logic) bounded the kernel with adds
+  (ncu: 82% busy), and |x| is an abs.bf16x2 (an HFMA2) for the same reason.
+- Otherwise (float32 or rotated x) NVFP4 divides every element by its block's d. A correctly rounded
   division per element (div.rn: a reciprocal on the quarter-rate special-function unit plus a
   range check) is replaced by one reciprocal per block and Markstein's correction step:
   q0 = a * r, q = fma(fma(-q0, d, a), r, q0) with r = RN(1/d) gives RN(a/d) whenever no
@@ -21,8 +31,9 @@ How the per-element work stays cheap and exact (the FP4 kernels are ALU-bound ot
   d into [2**-10, 2) and clipped at 6 * d, which keeps every element whose code depends on the
   last bit of the quotient in that range (checked exhaustively for every d in [1, 2) and every
   dividend near an E2M1 decision point). d depends only on the block's E4M3 scale code and the
-  global scale, so `nvfp4_divisor_table_kernel` prepares the per-block values once per call for
-  all 128 codes, and a block loads them with one 16-byte load.
+  global scale, so `nvfp4_table_kernel` prepares the per-block values once per call for all 128
+  codes, and a block loads them with one 16-byte load. Comparing float32 elements one at a time
+  (FSETP and SEL each) would cost more than this division.
 - E2M1 rounding is one float addition of 1.5 * 2**(22 + j), j = the binade above 2, to the
   magnitude; the code is the sum's bits minus the constant's bits. On the GPU this step, the sign
   test below and the shift into the code's nibble are one inline-PTX routine per element
@@ -36,8 +47,10 @@ How the per-element work stays cheap and exact (the FP4 kernels are ALU-bound ot
   differs) while the codes were right (triton 3.6; cause not isolated).
 Triton's interpreter (CPU tests) computes tl.fma as a rounded multiply plus a rounded add and
 does not round float8 casts to nearest even, so there (NATIVE=False) elements are divided with
-div_rn and encoded to E4M3 with integer arithmetic; everything else is the same code. GPUs
-before sm_89 (A100), which have no float8 conversion, take the same integer encoding (HW_E4M3).
+div_rn and encoded to E4M3 with integer arithmetic, and the PTX routines run as the same steps in
+Triton; everything else is the same code. GPUs before sm_89 (A100), which have no float8
+conversion, take the same integer encoding (HW_E4M3); bf16 pairs are compared from sm_90 on (f16
+pairs everywhere), before that bf16 x is divided.
 
 Rotation (`rotation=b`: quant/hadamard.py's block-wise Hadamard R, for rotated layers' activations):
 x R is computed in registers right after the load, per run of b elements along K
@@ -263,27 +276,181 @@ def _divisor(d):
     return p, -dd, tl.div_rn(tl.full(dd.shape, 1.0, tl.float32), dd), _sign_threshold(d)
 
 
+# a 16-bit x's dtype as a constexpr code, and its +inf bits (the breakpoint no finite element reaches)
+X_KIND = {torch.bfloat16: 0, torch.float16: 1}
+INF_BITS = tl.constexpr((0x7F80, 0x7C00))
+
+
 @triton.jit
-def nvfp4_divisor_table_kernel(G, AMAX, TABLE, G_FROM_AMAX: tl.constexpr):
-    """TABLE[c] = _divisor(scale / g) for every E4M3 scale code c (code 0 stands for the 0.125 that
-    replaces a zero scale), as 4 float32 (the threshold's bits). g: given in G, or 2688 / amax
-    from AMAX (float32 bits, from amax_kernel), 1.0 when that is not finite (as
-    reference.nvfp4_global_scale), then written to G."""
+def _x_value(bits, XK: tl.constexpr):
+    """Bits of a non-negative value of x's dtype (XK = X_KIND) -> float32, exact."""
+    if XK == 0:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _x_bits_near(v, XK: tl.constexpr):
+    """float32 v >= 0 -> the bits of a value of x's dtype within one ulp of it (inf where v overflows)."""
+    if XK == 0:
+        return v.to(tl.int32, bitcast=True) >> 16
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+
+
+TABLE_PROGRAMS = tl.constexpr(8)  # nvfp4_table_kernel's grid: 16 scale codes each (one wave is latency)
+TABLE_ROW = tl.constexpr(8)  # int32 per scale code: 8 breakpoint pairs, or 4 for the division
+
+
+@triton.jit
+def nvfp4_table_kernel(G, AMAX, TABLE, G_FROM_AMAX: tl.constexpr, BREAKPOINTS: tl.constexpr, XK: tl.constexpr):
+    """TABLE[c] (TABLE_ROW int32) = what coding the elements of a block with E4M3 scale code c takes
+    (code 0 stands for the 0.125 that replaces a zero scale), d = RN(scale / g) its divisor:
+    - BREAKPOINTS, for 16-bit x of dtype XK (quantize_kernel's PACKED): b_0 .. b_7, each in both
+      halves of a word, b_0 negated. b_i (i = 1..7) is the smallest value of that dtype whose
+      code, the reference's rounding of RN(b_i / d), is at least i; b_0 the smallest whose float32
+      quotient is not zero (where a negative element keeps its sign bit); +inf where no finite
+      value gets there;
+    - else entries 0-3: _divisor(d) (float32 bits), for float32 elements (quantize_kernel divides).
+    g: given in G, or 2688 / amax from AMAX (float32 bits, from amax_kernel), 1.0 when that is not
+    finite (as reference.nvfp4_global_scale), then written to G.
+
+    Each b_i is found exactly from an estimate: mid_i * d for i >= 1, for i = 0 the largest
+    float32 F <= d * 2**-150 (a quotient rounds to zero exactly when it is at most 2**-150), taken
+    to x's dtype within one ulp; the quotient moves b_i at most one more ulp from mid_i * d, so
+    b_i is the first of the five values around the estimate whose quotient passes the test.
+    """
     if G_FROM_AMAX:
         amax = tl.load(AMAX).to(tl.float32, bitcast=True)
         g = tl.div_rn(tl.full([], GLOBAL_NUMERATOR, tl.float32), amax)
         g = tl.where(g < float("inf"), g, 1.0)
-        tl.store(G, g)
+        if tl.program_id(0) == 0:
+            tl.store(G, g)
     else:
         g = tl.load(G)
-    code = tl.arange(0, 128)
+    CODES: tl.constexpr = 128 // TABLE_PROGRAMS
+    code = tl.program_id(0) * CODES + tl.arange(0, CODES)[:, None]
     s = tl.where(code == 0, NVFP4_ZERO_SCALE, _e4m3_value(code))
-    p, neg_dd, rcp, threshold = _divisor(tl.div_rn(s, g))
-    entry = TABLE + code * 4
-    tl.store(entry, p)
-    tl.store(entry + 1, neg_dd)
-    tl.store(entry + 2, rcp)
-    tl.store(entry + 3, threshold.to(tl.float32, bitcast=True))
+    d = tl.div_rn(s, g)  # [CODES, 1]
+    row = TABLE + code * TABLE_ROW
+    if not BREAKPOINTS:
+        p, neg_dd, rcp, threshold = _divisor(d)
+        tl.store(row, p.to(tl.int32, bitcast=True))
+        tl.store(row + 1, neg_dd.to(tl.int32, bitcast=True))
+        tl.store(row + 2, rcp.to(tl.int32, bitcast=True))
+        tl.store(row + 3, threshold.to(tl.int32, bitcast=True))
+    else:
+        i = tl.arange(0, 8)[None, :]
+        # breakpoint i >= 1: the quotient q reaches the midpoint below E2M1 value i (0.25, 0.75, 1.25,
+        # 1.75, 2.5, 3.5, 5), strictly where a tie there rounds down to the even code; i = 0: q > 0
+        mid = tl.where(i < 5, tl.where(i == 0, 0.0, 0.5 * i - 0.25), tl.where(i == 5, 2.5, tl.where(i == 6, 3.5, 5.0)))
+        strict = (i % 2 == 1) | (i == 0)
+        # F for i = 0: d * 2**-150 is exact (two scalings) from d = 2**24 on; below, F = floor(d / 2) * 2**-149
+        f_bits = tl.where(d >= 16777216.0,
+                          ((d * 7.888609052210118e-31) * 8.881784197001252e-16).to(tl.int32, bitcast=True),
+                          (tl.minimum(d, 16777216.0) * 0.5).to(tl.int32))
+        estimate = tl.where(i == 0, _x_bits_near(f_bits.to(tl.float32, bitcast=True), XK), _x_bits_near(mid * d, XK))
+        INF: tl.constexpr = INF_BITS[XK]
+        b = tl.full(estimate.shape, INF, tl.int32)
+        for j in tl.static_range(5):
+            c = tl.minimum(tl.maximum(estimate + (j - 2), 0), INF)
+            q = tl.div_rn(_x_value(c, XK), d)
+            b = tl.minimum(b, tl.where(tl.where(strict, q > mid, q >= mid), c, INF))
+        tl.store(row + i, (b | (b << 16)) | tl.where(i == 0, -0x7FFF8000, 0))  # 0x80008000: -b_0 in both halves
+
+
+def _e2m1_chunk_asm(pair: str) -> str:
+    """PTX: four words of x (16-bit elements of type `pair`, bf16x2 or f16x2; $1..$4), the block's
+    breakpoint pairs ($5 = -b_0, $6..$12 = b_1..b_7) and $13 = -(2**16 + 1), $14 = 8 * $13 (from
+    MASK_WEIGHT) -> the word of their 8 E2M1 codes.
+
+    Per word: set.ge gives 0xFFFF in each half whose |x| reaches b_i; the sum s of the 7 masks is
+    (c_0 - c_1) * 2**16 - c_0 modulo 2**32 for the halves' counts c_0 (low) and c_1, so
+    s * -(2**16 + 1) = c_1 * 2**16 + c_0 (the codes' magnitudes); the sign's mask (x <= -b_0)
+    times 8 * -(2**16 + 1) adds 8 in its halves. Then byte permutes put the even elements' codes in
+    the low nibbles.
+    """
+    lines = ["{", ".reg .b32 a, m, s, n, v0, v1, v2, v3, lo, hi;"]
+    for k in range(4):
+        # each mask times -(2**16 + 1) as it is added: multiply-adds, which leave the ALU pipe (the
+        # comparisons' and masks') to the rest
+        lines += [f"abs.{pair} a, ${k + 1};", f"set.ge.u32.{pair} m, a, $6;", "mul.lo.u32 s, m, $13;"]
+        for i in range(2, 8):
+            lines += [f"set.ge.u32.{pair} m, a, ${i + 5};", "mad.lo.u32 s, m, $13, s;"]
+        lines += [f"set.le.u32.{pair} n, ${k + 1}, $5;", f"mad.lo.u32 v{k}, n, $14, s;"]
+    # v_k holds element 2k's code at bit 0 and element 2k + 1's at bit 16
+    lines += ["mad.lo.u32 lo, v1, 256, v0;", "mad.lo.u32 hi, v3, 256, v2;",  # bytes: e0 e2 e1 e3 | e4 e6 e5 e7
+              "prmt.b32 v0, lo, hi, 0x5410;", "prmt.b32 v1, lo, hi, 0x7632;",  # e0 e2 e4 e6 | e1 e3 e5 e7
+              "mad.lo.u32 $0, v1, 16, v0;", "}"]
+    return "\n".join(lines)
+
+
+_E2M1_CHUNK_ASM = tl.constexpr((_e2m1_chunk_asm("bf16x2"), _e2m1_chunk_asm("f16x2")))
+
+
+_MAX_ASM = tl.constexpr(("max.bf16x2 $0, $1, $2;", "max.f16x2 $0, $1, $2;"))
+
+
+@triton.jit
+def _max16x2(a, b, XK: tl.constexpr, NATIVE: tl.constexpr):
+    """Halfwise maximum of two words of non-negative 16-bit values (x's |elements|)."""
+    if NATIVE:
+        return tl.inline_asm_elementwise(_MAX_ASM[XK], "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.maximum(a & 0xFFFF, b & 0xFFFF) | tl.maximum(a & -65536, b & -65536)
+
+
+@triton.jit
+def _take(t, k: tl.constexpr):
+    """t[..., k] of a 4-D tensor whose last axis a thread holds whole: a register, no data movement."""
+    return tl.sum(tl.where(tl.arange(0, t.shape[3])[None, None, None, :] == k, t, 0), axis=3)
+
+
+@triton.jit
+def _amax_words(w0, w1, w2, w3, XK: tl.constexpr, NATIVE: tl.constexpr):
+    """The 4 words [A, B, C] of each chunk of a block (16-bit elements) -> max |element| of the
+    block, float32 [A, B]."""
+    a = _max16x2(_max16x2(w0 & 0x7FFF7FFF, w1 & 0x7FFF7FFF, XK, NATIVE),
+                 _max16x2(w2 & 0x7FFF7FFF, w3 & 0x7FFF7FFF, XK, NATIVE), XK, NATIVE)
+    tl.static_assert(a.shape[2] == 2, "an NVFP4 block of 16-bit elements is 2 chunks of 4 words")
+    c = tl.arange(0, 2)[None, None, :]
+    a = _max16x2(tl.sum(tl.where(c == 0, a, 0), axis=2), tl.sum(tl.where(c == 1, a, 0), axis=2), XK, NATIVE)
+    return tl.maximum(_x_value(a & 0xFFFF, XK), _x_value((a >> 16) & 0xFFFF, XK))
+
+
+@triton.jit
+def _count_reached(v, b1, b2, b3, b4, b5, b6, b7):
+    """How many of the breakpoints b1..b7 (16-bit, in the low half) v (16-bit magnitude) reaches."""
+    return ((v >= (b1 & 0xFFFF)).to(tl.int32) + (v >= (b2 & 0xFFFF)).to(tl.int32) + (v >= (b3 & 0xFFFF)).to(tl.int32)
+            + (v >= (b4 & 0xFFFF)).to(tl.int32) + (v >= (b5 & 0xFFFF)).to(tl.int32) + (v >= (b6 & 0xFFFF)).to(tl.int32)
+            + (v >= (b7 & 0xFFFF)).to(tl.int32))
+
+
+@triton.jit
+def _pair_codes(w, nb0, b1, b2, b3, b4, b5, b6, b7):
+    """_e2m1_chunk_asm's v_k in integer arithmetic: the codes of a word's two elements at bits 0 and 16."""
+    a = w & 0x7FFF7FFF
+    lo, hi = a & 0xFFFF, a >> 16
+    b0 = nb0 & 0x7FFF
+    code_lo = _count_reached(lo, b1, b2, b3, b4, b5, b6, b7) + tl.where(((w & 0x8000) != 0) & (lo >= b0), 8, 0)
+    code_hi = _count_reached(hi, b1, b2, b3, b4, b5, b6, b7) + tl.where((w < 0) & (hi >= b0), 8, 0)
+    return code_lo | (code_hi << 16)
+
+
+@triton.jit
+def _e2m1_chunk(w0, w1, w2, w3, nb0, b1, b2, b3, b4, b5, b6, b7, weight, XK: tl.constexpr, NATIVE: tl.constexpr):
+    """Four words of x's 16-bit elements and the block's breakpoint pairs -> the word of their 8
+    E2M1 codes: _E2M1_CHUNK_ASM on the GPU, the same steps in Triton under the interpreter."""
+    nb0, b1, b2, b3 = [tl.broadcast_to(b, w0.shape) for b in (nb0, b1, b2, b3)]
+    b4, b5, b6, b7 = [tl.broadcast_to(b, w0.shape) for b in (b4, b5, b6, b7)]
+    if NATIVE:
+        return tl.inline_asm_elementwise(_E2M1_CHUNK_ASM[XK], "=r" + ",r" * 14,
+                                         [w0, w1, w2, w3, nb0, b1, b2, b3, b4, b5, b6, b7,
+                                          tl.broadcast_to(weight, w0.shape), tl.broadcast_to(weight * 8, w0.shape)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    lo = _pair_codes(w0, nb0, b1, b2, b3, b4, b5, b6, b7) + (_pair_codes(w1, nb0, b1, b2, b3, b4, b5, b6, b7) << 8)
+    hi = _pair_codes(w2, nb0, b1, b2, b3, b4, b5, b6, b7) + (_pair_codes(w3, nb0, b1, b2, b3, b4, b5, b6, b7) << 8)
+    even = (lo & 0xFFFF) | (hi << 16)
+    odd = ((lo >> 16) & 0xFFFF) | (hi & -65536)
+    return even + (odd << 4)
 
 
 @triton.jit
@@ -310,10 +477,10 @@ def amax_kernel(X, AMAX, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.con
 
 @triton.jit(do_not_specialize=["M", "n_cols"])  # masks and scale offsets only: fewer variants to compile
 def quantize_kernel(
-    X, DATA, SCALE, G, TABLE, M, K, n_cols, stride_xm,
+    X, DATA, SCALE, G, TABLE, M, K, n_cols, stride_xm, MASK_WEIGHT,
     FMT: tl.constexpr, MODE: tl.constexpr, SWIZZLED: tl.constexpr, NATIVE: tl.constexpr, HW_E4M3: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, SPREAD: tl.constexpr,
-    ROTATION: tl.constexpr = 0,
+    ROTATION: tl.constexpr = 0, XK: tl.constexpr = 0, PACKED: tl.constexpr = False,
 ):
     """FMT 0 = NVFP4 (compressed-tensors recipe), 1 = MXFP4, 2 = MXFP8; MODE = _SCALE_MODE_CODE.
 
@@ -325,8 +492,17 @@ def quantize_kernel(
     differs from the computed layout get contiguity 1 (tl.max_contiguous), which avoids a layout
     conversion through shared memory.
     DATA is int32 (VEC = 8: eight E2M1 codes per word), int16 (VEC = 4) or uint8 (MXFP8).
-    NATIVE (False under the interpreter): divide with fma. HW_E4M3 (sm_89 and later, not under the
-    interpreter): MXFP8 elements through the hardware float8 conversion, else integer arithmetic.
+    NATIVE (False under the interpreter): PTX routines (_e2m1_nibble, _e2m1_chunk, _max16x2), else
+    the same steps in Triton. HW_E4M3 (sm_89 and later, not under the interpreter): MXFP8 elements
+    through the hardware float8 conversion, else integer arithmetic.
+    NVFP4 (TABLE from nvfp4_table_kernel): with PACKED, X is read as int32 words of two 16-bit
+    elements of dtype XK and a chunk's 4 words are coded together by comparisons against the
+    block's breakpoints (_e2m1_chunk); otherwise float32 elements are divided by the block's
+    divisor (below) and coded by _e2m1_nibble. Per element the comparisons take 8 instructions
+    for two elements, the division about 12 for one: comparing float32 elements one at a time
+    (FSETP and SEL each) would cost more than dividing them.
+    MASK_WEIGHT: -(2**16 + 1), _e2m1_chunk's multiplier, passed as an argument so that ptxas does
+    not factor the constant out of its sum of multiply-adds.
     ROTATION (16 or 32, 0 for none): quantize x R instead of x (_hadamard_rotate, right after the
     load; without data movement where a thread holds whole blocks, i.e. not SPREAD).
     """
@@ -335,31 +511,45 @@ def quantize_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     chunk = tl.arange(0, C)
     e = tl.arange(0, VEC)
-    if SPREAD:  # load as (c, j, m, e): lanes run along the 16-byte chunks of a row
-        ks = (cols * BLOCK)[None, :, None, None] + (chunk * VEC)[:, None, None, None] + e[None, None, None, :]
-        r4 = rows[None, None, :, None]
-        x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0)
-        x = tl.permute(x, (1, 2, 0, 3)).to(tl.float32)
-    else:
-        ks = (cols * BLOCK)[:, None, None, None] + (chunk * VEC)[None, None, :, None] + e[None, None, None, :]
+    if PACKED:  # words of two elements: word u of a chunk holds its elements 2u (low half) and 2u + 1
+        ks = ((cols * BLOCK)[:, None, None, None] + (chunk * VEC)[None, None, :, None]) // 2 \
+            + tl.arange(0, VEC // 2)[None, None, None, :]
         r4 = rows[None, :, None, None]
-        x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0).to(tl.float32)
-    if ROTATION:
-        x = _hadamard_rotate(x, ROTATION)
-    amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BLOCKS, BLOCK_M]
+        w = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K // 2), other=0)
+        w0, w1, w2, w3 = _take(w, 0), _take(w, 1), _take(w, 2), _take(w, 3)  # [BLOCKS, BLOCK_M, C]
+        amax = _amax_words(w0, w1, w2, w3, XK, NATIVE)
+    else:
+        if SPREAD:  # load as (c, j, m, e): lanes run along the 16-byte chunks of a row
+            ks = (cols * BLOCK)[None, :, None, None] + (chunk * VEC)[:, None, None, None] + e[None, None, None, :]
+            r4 = rows[None, None, :, None]
+            x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0)
+            x = tl.permute(x, (1, 2, 0, 3)).to(tl.float32)
+        else:
+            ks = (cols * BLOCK)[:, None, None, None] + (chunk * VEC)[None, None, :, None] + e[None, None, None, :]
+            r4 = rows[None, :, None, None]
+            x = tl.load(X + r4.to(tl.int64) * stride_xm + ks, mask=(r4 < M) & (ks < K), other=0.0).to(tl.float32)
+        if ROTATION:
+            x = _hadamard_rotate(x, ROTATION)
+        amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BLOCKS, BLOCK_M]
 
-    # Per block: the scale code, and what dividing by the block's divisor d takes (x / d is the
-    # element before rounding): a power of two p, -d * p, RN(1 / (d * p)) and the sign threshold.
+    # Per block: the scale code, and what coding the elements takes: NVFP4 with PACKED the 8
+    # breakpoint pairs, as [BLOCKS, BLOCK_M, 1, 4] twice (shaped as a chunk of words, so that a
+    # thread holds them); otherwise dividing by the block's divisor d (x / d is the element before
+    # rounding): a power of two p, -d * p, RN(1 / (d * p)) and the sign threshold.
     if FMT == 0:
         s = tl.minimum(tl.div_rn(amax, ELEM_MAX_FP4) * tl.load(G), ELEM_MAX_FP8)
         code = _e4m3_bits(s)
         scale_bits = tl.where(code == 0, NVFP4_ZERO_SCALE_BITS, code)
-        entry = TABLE + code[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-        even, odd = tl.split(tl.reshape(tl.load(entry), (BLOCKS, BLOCK_M, 2, 2)))
-        p, rcp = tl.split(even)
-        neg_dd, threshold = tl.split(odd)
-        threshold = threshold.to(tl.uint32, bitcast=True)
-        clip = (neg_dd * -ELEM_MAX_FP4)[:, :, None, None]  # x / d clipped at 6
+        if PACKED:
+            entry = TABLE + code[:, :, None, None] * TABLE_ROW + tl.arange(0, 4)[None, None, None, :]
+            bp_lo, bp_hi = tl.load(entry), tl.load(entry + 4)
+        else:
+            entry = TABLE + code[:, :, None] * TABLE_ROW + tl.arange(0, 4)[None, None, :]
+            even, odd = tl.split(tl.reshape(tl.load(entry).to(tl.float32, bitcast=True), (BLOCKS, BLOCK_M, 2, 2)))
+            p, rcp = tl.split(even)
+            neg_dd, threshold = tl.split(odd)
+            threshold = threshold.to(tl.uint32, bitcast=True)
+            clip = (neg_dd * -ELEM_MAX_FP4)[:, :, None, None]  # x / d clipped at 6
     else:
         EMAX: tl.constexpr = 2 if FMT == 1 else 8
         MBITS: tl.constexpr = 1 if FMT == 1 else 3
@@ -385,22 +575,27 @@ def quantize_kernel(
         else:
             tl.store(DATA + offs, q, mask=store_ok[:, :, :, None])
     else:
-        a = tl.abs(x) * p[:, :, None, None]
-        # RCEIL and CEIL scales bring every MX |x| * p to at most 6 (RCEIL: times 1 + 2**-23,
-        # which still rounds to 6), FLOOR and EVEN not; NVFP4's block scale is rounded to E4M3
-        if (FMT == 0) | (MODE == 0) | (MODE == 3):
-            a = tl.minimum(a, clip)
-        if FMT == 0:  # a = RN(a / (d * p))
-            neg_dd = neg_dd[:, :, None, None]
-            if NATIVE:
-                rcp = rcp[:, :, None, None]
-                q0 = a * rcp
-                a = tl.fma(tl.fma(q0, neg_dd, a), rcp, q0)
-            else:
-                a = tl.div_rn(a, -neg_dd)
         shift = (4 * e)[None, None, None, :]  # code of element e -> nibble e (low nibble = even K)
-        codes = _e2m1_nibble(a, x.to(tl.uint32, bitcast=True), threshold[:, :, None, None], shift, NATIVE)
-        words = tl.sum(codes, axis=3) - (WORD_BIAS_8 if VEC == 8 else WORD_BIAS_4)  # [BLOCKS, BLOCK_M, C]
+        if PACKED:
+            words = _e2m1_chunk(w0, w1, w2, w3, _take(bp_lo, 0), _take(bp_lo, 1), _take(bp_lo, 2), _take(bp_lo, 3),
+                                _take(bp_hi, 0), _take(bp_hi, 1), _take(bp_hi, 2), _take(bp_hi, 3), MASK_WEIGHT, XK,
+                                NATIVE)
+        else:
+            a = tl.abs(x) * p[:, :, None, None]
+            # RCEIL and CEIL scales bring every MX |x| * p to at most 6 (RCEIL: times 1 + 2**-23,
+            # which still rounds to 6), FLOOR and EVEN not; NVFP4's block scale is rounded to E4M3
+            if (FMT == 0) | (MODE == 0) | (MODE == 3):
+                a = tl.minimum(a, clip)
+            if FMT == 0:  # a = RN(a / (d * p))
+                neg_dd = neg_dd[:, :, None, None]
+                if NATIVE:
+                    rcp = rcp[:, :, None, None]
+                    q0 = a * rcp
+                    a = tl.fma(tl.fma(q0, neg_dd, a), rcp, q0)
+                else:
+                    a = tl.div_rn(a, -neg_dd)
+            codes = _e2m1_nibble(a, x.to(tl.uint32, bitcast=True), threshold[:, :, None, None], shift, NATIVE)
+            words = tl.sum(codes, axis=3) - (WORD_BIAS_8 if VEC == 8 else WORD_BIAS_4)  # [BLOCKS, BLOCK_M, C]
         if VEC == 4:
             words = words.to(tl.int16)
         offs = rows[None, :, None].to(tl.int64) * (kp // VEC) + (cols * C)[:, None, None] + chunk[None, None, :]
@@ -440,6 +635,20 @@ def _hardware_e4m3(device) -> bool:
         return False
     cc = compute_capability(device)
     return cc is not None and cc >= (8, 9)
+
+
+def _packed_words(x: torch.Tensor, spec, rotation) -> bool:
+    """Whether NVFP4 reads x as int32 words of two elements (quantize_kernel's PACKED): 16-bit x
+    with whole words per row, unrotated, and a GPU that compares bf16 pairs (sm_90; f16 pairs
+    everywhere). The interpreter runs the same path with the PTX steps in Triton."""
+    if not (spec.global_scale and rotation is None and x.element_size() == 2):
+        return False
+    if x.shape[1] % 2 or x.stride(0) % 2 or x.data_ptr() % 4:
+        return False
+    if _interpreted() or x.dtype == torch.float16:
+        return True
+    cc = compute_capability(x.device)
+    return cc is not None and cc >= (9, 0)
 
 
 def _interpreted() -> bool:
@@ -501,8 +710,9 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
         scale = torch.empty(m, n_cols, dtype=torch.uint8, device=x.device)
 
     g = table = None
+    packed = _packed_words(x, spec, rotation)
     if spec.global_scale:
-        table = torch.empty(128, 4, dtype=torch.float32, device=x.device)
+        table = torch.empty(128, TABLE_ROW.value, dtype=torch.int32, device=x.device)
         if global_scale is None:
             g = torch.empty(1, dtype=torch.float32, device=x.device)
             amax = torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -511,20 +721,22 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
                 num_warps=8)
         else:
             g, amax = _given_global_scale(x, global_scale), None
-        nvfp4_divisor_table_kernel[(1,)](g, amax if amax is not None else g, table, G_FROM_AMAX=amax is not None,
-                                         num_warps=4)
+        nvfp4_table_kernel[(TABLE_PROGRAMS.value,)](g, amax if amax is not None else g, table,
+                                                    G_FROM_AMAX=amax is not None, BREAKPOINTS=packed,
+                                                    XK=X_KIND.get(x.dtype, 0), num_warps=4)
 
     block_m, blocks, warps, spread = config or (ROTATED_TILE if rotation else TILE)[spec.name]
     grid = (triton.cdiv(m, block_m), triton.cdiv(n_cols, blocks))
     fmt_code = 0 if spec.global_scale else (1 if spec.packed else 2)
     word = data.view(torch.uint8) if not spec.packed else data.view(torch.int32 if vec == 8 else torch.int16)
     quantize_kernel[grid](
-        x, word, scale, g if g is not None else scale, table if table is not None else scale,
-        m, k, n_cols, x.stride(0),
+        x.view(torch.int32) if packed else x, word, scale, g if g is not None else scale,
+        table if table is not None else scale,
+        m, k, n_cols, x.stride(0) // 2 if packed else x.stride(0), -(1 << 16) - 1,
         FMT=fmt_code, MODE=_SCALE_MODE_CODE[ScaleMode(scale_mode)], SWIZZLED=scale_layout == "swizzled",
         NATIVE=not _interpreted(), HW_E4M3=fmt_code == 2 and _hardware_e4m3(x.device),
         BLOCK=spec.block, VEC=vec, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=rotation or 0,
-        num_warps=warps,
+        XK=X_KIND.get(x.dtype, 0), PACKED=packed, num_warps=warps,
     )
     return QTensor(data=data, scale=scale.view(spec.scale_dtype), fmt=spec, shape=(m, k),
                    global_scale=None if g is None else g.reshape(()), scale_layout=scale_layout,
