@@ -320,7 +320,8 @@ def test_quantize_kernel_hot_path_length_sm90(fmt, tmp_path):
 def test_quantize_kernel_compiles_for_sm80(fmt, monkeypatch):
     """A100 (sm_80) has no float8 conversion and Triton refuses float8e4nv casts there: quantize_gpu
     asks for the integer E4M3 encoding below sm_89 (the interpreter tests check its bits), and the
-    sm_80 build then compiles without any float8 instruction."""
+    sm_80 build then compiles without any float8 instruction. NVFP4 compares fp16 pairs there too
+    (bf16 pairs need sm_90: bf16 x is divided)."""
     from quantize_compile import compile_quantize_kernel
 
     from microscale.kernels import quantize as qk
@@ -331,3 +332,7 @@ def test_quantize_kernel_compiles_for_sm80(fmt, monkeypatch):
         assert qk._hardware_e4m3(torch.device("cuda")) is want, cc
     compiled, _ = compile_quantize_kernel(fmt, qk.TILE, hw_e4m3=False, cc=80)
     assert "e4m3" not in compiled.asm["ptx"]
+    if fmt == "nvfp4":
+        assert "bf16x2" not in compiled.asm["ptx"]
+        compiled, _ = compile_quantize_kernel(fmt, qk.TILE, hw_e4m3=False, cc=80, fp16=True)
+        assert "set.ge.u32.f16x2" in compiled.asm["ptx"] and "e4m3" not in compiled.asm["ptx"]
