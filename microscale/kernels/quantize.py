@@ -438,7 +438,8 @@ def _pair_codes(w, nb0, b1, b2, b3, b4, b5, b6, b7):
 @triton.jit
 def _e2m1_chunk(w0, w1, w2, w3, nb0, b1, b2, b3, b4, b5, b6, b7, weight, XK: tl.constexpr, NATIVE: tl.constexpr):
     """Four words of x's 16-bit elements and the block's breakpoint pairs -> the word of their 8
-    E2M1 codes: _E2M1_CHUNK_ASM on the GPU, the same steps in Triton under the interpreter."""
+    E2M1 codes: _E2M1_CHUNK_ASM on the GPU (weight: quantize_kernel's MASK_WEIGHT), the same steps
+    in Triton under the interpreter (which needs no weight)."""
     nb0, b1, b2, b3 = [tl.broadcast_to(b, w0.shape) for b in (nb0, b1, b2, b3)]
     b4, b5, b6, b7 = [tl.broadcast_to(b, w0.shape) for b in (b4, b5, b6, b7)]
     if NATIVE:
