@@ -245,14 +245,20 @@ def _pow2(e):
 
 
 @triton.jit
+def _zero_quotient_bound(d):
+    """Divisor d > 0 (up to inf) -> the bits (int32) of F, the largest float32 <= d * 2**-150: a
+    quotient x / d rounds to zero exactly when |x| <= F (at most 2**-150, which rounds to 0)."""
+    exact = d >= 16777216.0  # d * 2**-150 is then a normal float32 (two exact scalings)
+    return tl.where(exact, ((d * 7.888609052210118e-31) * 8.881784197001252e-16).to(tl.int32, bitcast=True),
+                    (tl.minimum(d, 16777216.0) * 0.5).to(tl.int32))  # else F = floor(d / 2) * 2**-149: bits floor(d / 2)
+
+
+@triton.jit
 def _sign_threshold(d):
     """Per block divisor d > 0 (up to inf) -> T (uint32) such that x / d rounds to a float32 < 0
-    exactly when x's bits, read as uint32, exceed T: x < 0 and |x| > F, F the largest float32
-    <= d * 2**-150 (a quotient at most 2**-150 rounds to -0, which e2m1_encode codes as 0)."""
-    exact = d >= 16777216.0  # d * 2**-150 is then a normal float32 (two exact scalings)
-    f_bits = tl.where(exact, ((d * 7.888609052210118e-31) * 8.881784197001252e-16).to(tl.int32, bitcast=True),
-                      (tl.minimum(d, 16777216.0) * 0.5).to(tl.int32))  # else F = floor(d / 2) * 2**-149: bits floor(d / 2)
-    return f_bits.to(tl.uint32, bitcast=True) | 0x80000000
+    exactly when x's bits, read as uint32, exceed T: x < 0 and |x| > F (_zero_quotient_bound; a
+    quotient that rounds to -0 is coded as 0 by e2m1_encode)."""
+    return _zero_quotient_bound(d).to(tl.uint32, bitcast=True) | 0x80000000
 
 
 @triton.jit
@@ -344,11 +350,8 @@ def nvfp4_table_kernel(G, AMAX, TABLE, G_FROM_AMAX: tl.constexpr, BREAKPOINTS: t
         # 1.75, 2.5, 3.5, 5), strictly where a tie there rounds down to the even code; i = 0: q > 0
         mid = tl.where(i < 5, tl.where(i == 0, 0.0, 0.5 * i - 0.25), tl.where(i == 5, 2.5, tl.where(i == 6, 3.5, 5.0)))
         strict = (i % 2 == 1) | (i == 0)
-        # F for i = 0: d * 2**-150 is exact (two scalings) from d = 2**24 on; below, F = floor(d / 2) * 2**-149
-        f_bits = tl.where(d >= 16777216.0,
-                          ((d * 7.888609052210118e-31) * 8.881784197001252e-16).to(tl.int32, bitcast=True),
-                          (tl.minimum(d, 16777216.0) * 0.5).to(tl.int32))
-        estimate = tl.where(i == 0, _x_bits_near(f_bits.to(tl.float32, bitcast=True), XK), _x_bits_near(mid * d, XK))
+        f = _zero_quotient_bound(d).to(tl.float32, bitcast=True)  # estimate of b_0
+        estimate = tl.where(i == 0, _x_bits_near(f, XK), _x_bits_near(mid * d, XK))
         INF: tl.constexpr = INF_BITS[XK]
         b = tl.full(estimate.shape, INF, tl.int32)
         for j in tl.static_range(5):
@@ -712,6 +715,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
 
     g = table = None
     packed = _packed_words(x, spec, rotation)
+    xk = X_KIND.get(x.dtype, 0)  # read only where packed
     if spec.global_scale:
         table = torch.empty(128, TABLE_ROW.value, dtype=torch.int32, device=x.device)
         if global_scale is None:
@@ -723,8 +727,8 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
         else:
             g, amax = _given_global_scale(x, global_scale), None
         nvfp4_table_kernel[(TABLE_PROGRAMS.value,)](g, amax if amax is not None else g, table,
-                                                    G_FROM_AMAX=amax is not None, BREAKPOINTS=packed,
-                                                    XK=X_KIND.get(x.dtype, 0), num_warps=4)
+                                                    G_FROM_AMAX=amax is not None, BREAKPOINTS=packed, XK=xk,
+                                                    num_warps=4)
 
     block_m, blocks, warps, spread = config or (ROTATED_TILE if rotation else TILE)[spec.name]
     grid = (triton.cdiv(m, block_m), triton.cdiv(n_cols, blocks))
@@ -737,7 +741,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
         FMT=fmt_code, MODE=_SCALE_MODE_CODE[ScaleMode(scale_mode)], SWIZZLED=scale_layout == "swizzled",
         NATIVE=not _interpreted(), HW_E4M3=fmt_code == 2 and _hardware_e4m3(x.device),
         BLOCK=spec.block, VEC=vec, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=rotation or 0,
-        XK=X_KIND.get(x.dtype, 0), PACKED=packed, num_warps=warps,
+        XK=xk, PACKED=packed, num_warps=warps,
     )
     return QTensor(data=data, scale=scale.view(spec.scale_dtype), fmt=spec, shape=(m, k),
                    global_scale=None if g is None else g.reshape(()), scale_layout=scale_layout,
