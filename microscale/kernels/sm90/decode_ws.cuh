@@ -1,0 +1,178 @@
+// Decode GEMM for small M on sm_90a, fed by a TMA ring (warp-specialized):
+//
+//     y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias),  M <= BM (8 or 16), x and y bf16, fp32 accumulation
+//
+// The Triton decode kernel (decode.py) holds every weight byte in flight in registers; this one lets a
+// producer warp bring STEPS K steps of RGS row groups (and x's BM rows) per stage into a STAGES-deep
+// shared-memory ring by TMA, so the bytes in flight do not cost registers. Each consumer warp owns one
+// row group (16 weight rows): per K step it reads its 16 bytes of words and 2 of scales from the ring,
+// decodes them (decode.py's PTX, generated into wgmma_ws.cuh's helpers) and issues mma.sync m16n8k16 with
+// the weights as A and x as B, as the Triton kernel does. Split-K over the CTAs of a cluster, the
+// partials summed through distributed shared memory in rank order.
+//
+// Compiled after wgmma_ws.cuh's source (decode_ws.py), whose helpers it uses.
+
+namespace ms90 {
+
+template <int FMT, int BM, int RGS, int STEPS, int STAGES>
+struct RingSmem {
+  static constexpr int X_STEP = BM * X_ROW_BYTES;  // one K step of x, 128B-swizzled rows
+  static constexpr int X_BYTES = STEPS * X_STEP;
+  static constexpr int W_BYTES = RGS * STEPS * DATA_BYTES<FMT>;
+  static constexpr int S_BYTES = RGS * STEPS * SCALE_BYTES<FMT>;
+  static constexpr u32 STAGE_TX = X_BYTES + W_BYTES + S_BYTES;
+  static constexpr int STAGE = (STAGE_TX + 1023) / 1024 * 1024;
+  static constexpr int FULL_OFF = STAGES * STAGE;
+  static constexpr int EMPTY_OFF = FULL_OFF + 8 * STAGES;
+  static constexpr int BYTES = EMPTY_OFF + 8 * STAGES + 1024;
+  static constexpr int ACC = BM / 2;  // fp32 accumulators per thread
+  static_assert(X_STEP % 1024 == 0, "swizzled x boxes must stay 1024-byte aligned");
+  static_assert(RGS * 32 * ACC * 4 <= FULL_OFF, "the split-K partial must fit in the ring");
+};
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One K step of a consumer warp: acc[8 j .. 8 j + 3] += W tile (16 rows) x^T (x rows 8 j .. 8 j + 7).
+// The thread's pair P (physical k 16t + 2P, +1; decode_step) is the MMA's k slice P / 2, half P % 2, for
+// the weights (A) and the activations (B) alike.
+template <int FMT, int BM>
+__device__ __forceinline__ void ring_step(float (&acc)[BM / 2], u32 w_addr, u32 s_addr, u32 x_step) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  u32 pair[2][2][4];
+  decode_step<FMT>(w_addr, s_addr, pair);
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) {
+    const int row = 8 * j + g;  // x row; with 128B swizzle its 16-byte chunk c sits at c ^ (row % 8)
+    u32 xw[8];
+    ld_shared_v4(x_step + row * X_ROW_BYTES + (((2 * t) ^ g) << 4), xw);
+    ld_shared_v4(x_step + row * X_ROW_BYTES + (((2 * t + 1) ^ g) << 4), xw + 4);
+    float d[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int p0 = 2 * c, p1 = 2 * c + 1;
+      const u32 a[4] = {pair[0][p0 / 4][p0 % 4], pair[1][p0 / 4][p0 % 4], pair[0][p1 / 4][p1 % 4],
+                        pair[1][p1 / 4][p1 % 4]};
+      mma_bf16_16816(d, a, xw[p0], xw[p1]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[4 * j + i] = d[i];
+  }
+}
+
+template <int FMT, int BM, int RGS, int STEPS, int STAGES, int SPLIT>
+__global__ void __launch_bounds__((RGS + 1) * 32)
+decode_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, const float* __restrict__ row_mult,
+               const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int steps) {
+  using L = RingSmem<FMT, BM, RGS, STEPS, STAGES>;
+  extern __shared__ unsigned char smem_raw[];
+  const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
+  const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n_tile = blockIdx.x / SPLIT;
+  const int part = SPLIT == 1 ? 0 : static_cast<int>(cluster_rank());
+  const int kt0 = part * steps;
+  const int stages_mine = max(0, min(KT - kt0, steps)) / STEPS;  // steps and KT are multiples of STEPS
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, RGS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  float acc[L::ACC];
+#pragma unroll
+  for (int i = 0; i < L::ACC; ++i) acc[i] = 0.0f;
+  if (warp == RGS) {
+    if (lane == 0) {
+      const u64* data_tmap = w_tmaps;
+      const u64* scale_tmap = w_tmaps + 16;
+      tensormap_acquire(x_tmap);
+      tensormap_acquire(data_tmap);
+      tensormap_acquire(scale_tmap);
+      const u64 policy = evict_first_policy();
+      for (int i = 0; i < stages_mine; ++i) {
+        const int stage = i % STAGES, kt = kt0 + i * STEPS;
+        const u32 f = full + 8 * stage, base = smem + stage * L::STAGE;
+        mbar_wait(empty + 8 * stage, ((i / STAGES) & 1) ^ 1);
+        mbar_arrive_expect_tx(f, L::STAGE_TX);
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) tma_load_2d_cta(base + s * L::X_STEP, x_tmap, (kt + s) * X_ROW_BYTES, 0, f);
+        tma_load_4d_hint(base + L::X_BYTES, data_tmap, 0, 0, kt, n_tile * RGS, f, policy);
+        tma_load_3d_hint(base + L::X_BYTES + L::W_BYTES, scale_tmap, 0, kt, n_tile * RGS, f, policy);
+      }
+    }
+  } else {
+    const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (lane % 4) / 2;
+    for (int i = 0; i < stages_mine; ++i) {
+      const int stage = i % STAGES;
+      const u32 base = smem + stage * L::STAGE;
+      mbar_wait(full + 8 * stage, (i / STAGES) & 1);
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) {
+        const u32 words = base + L::X_BYTES + (warp * STEPS + s) * DATA_BYTES<FMT> + lane * (DATA_BYTES<FMT> / 32);
+        const u32 scales = base + L::X_BYTES + L::W_BYTES + (warp * STEPS + s) * SCALE_BYTES<FMT> + scale_lane * 2;
+        ring_step<FMT, BM>(acc, words, scales, base + s * L::X_STEP);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + 8 * stage);
+    }
+  }
+
+  // acc[4 j + 2 h + c]: weight row 16 warp + g + 8 h of the tile, activation row 8 j + 2 t + c
+  bool mine = warp < RGS;
+  if constexpr (SPLIT > 1) {
+    __syncthreads();  // every consumer is done with the ring: it takes the partials
+    const u32 partial = smem + (warp * 32 + lane) * (4 * L::ACC);
+    if (warp < RGS) {
+#pragma unroll
+      for (int i = 0; i < L::ACC; i += 4)
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(partial + 4 * i), "f"(acc[i]), "f"(acc[i + 1]),
+                     "f"(acc[i + 2]), "f"(acc[i + 3]) : "memory");
+    }
+    cluster_sync();
+    mine = warp < RGS && warp % SPLIT == part;  // each CTA sums and stores the rows of RGS / SPLIT warps
+    if (mine) {
+#pragma unroll
+      for (int i = 0; i < L::ACC; i += 4) {
+#pragma unroll
+        for (int r = 0; r < SPLIT; ++r) {
+          float v[4];
+          asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                       : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(map_to_rank(partial + 4 * i, r)) : "memory");
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i + j] = r == 0 ? v[j] : acc[i + j] + v[j];
+        }
+      }
+    }
+  }
+  if (mine) {
+    const int g = lane / 4, t = lane % 4;
+    const int n0 = (n_tile * RGS + warp) * 16 + g;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + 8 * h;
+      if (n >= N) continue;
+      const float mult = row_mult[n];
+      const float add = bias != nullptr ? __uint_as_float(static_cast<u32>(bias[n]) << 16) : 0.0f;
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int m = 8 * j + 2 * t + c;
+          if (m < M) y[static_cast<long>(m) * ldy + n] = bf16_bits(acc[4 * j + 2 * h + c] * mult + add);
+        }
+      }
+    }
+  }
+  if constexpr (SPLIT > 1) cluster_sync();  // no CTA leaves while a peer may still read its partial
+}
+
+}  // namespace ms90
