@@ -272,8 +272,20 @@ def set_max_dynamic_smem(kernel, nbytes: int, device_index: int) -> None:
         raise RuntimeError(f"setting {nbytes} bytes of dynamic shared memory failed: {err}")
 
 
+_SMEM_SET: dict = {}  # (id(kernel), device) -> (kernel, the most dynamic shared memory the driver allows it)
+
+
+def _allow_smem(kernel, nbytes: int, device_index: int) -> None:
+    """set_max_dynamic_smem once per kernel and larger size (a launch may ask for less than allowed)."""
+    key = (id(kernel), device_index)
+    if _SMEM_SET.get(key, (None, -1))[1] < nbytes:
+        set_max_dynamic_smem(kernel, nbytes, device_index)
+        _SMEM_SET[key] = (kernel, nbytes)  # the kernel kept alive: its id stays its own
+
+
+@lru_cache(maxsize=64)
 def _core_stream(device_index: int, handle: int):
-    """A cuda.core Stream wrapping an existing CUstream handle (torch's current stream)."""
+    """A cuda.core Stream wrapping an existing CUstream handle (torch's current stream), made once per handle."""
     from cuda.core import Device, Stream
 
     if hasattr(Stream, "from_handle"):
@@ -325,7 +337,7 @@ def max_active_clusters(kernel, *, cluster: int, block: int, smem_bytes: int, de
     from cuda.core import Device, LaunchConfig
 
     Device(device_index).set_current()
-    set_max_dynamic_smem(kernel, smem_bytes, device_index)
+    _allow_smem(kernel, smem_bytes, device_index)
     config = LaunchConfig(grid=cluster // _blocks_per_grid_unit(cluster), cluster=cluster, block=block,
                           shmem_size=smem_bytes)
     occupancy = getattr(kernel, "occupancy", None)
@@ -337,17 +349,25 @@ def max_active_clusters(kernel, *, cluster: int, block: int, smem_bytes: int, de
         return int(occupancy.max_active_clusters(config))
 
 
+@lru_cache(maxsize=256)
+def _launch_config(grid: int, cluster: int, block: int, smem_bytes: int):
+    from cuda.core import LaunchConfig
+
+    if cluster > 1:
+        return LaunchConfig(grid=grid, cluster=cluster, block=block, shmem_size=smem_bytes)
+    return LaunchConfig(grid=grid, block=block, shmem_size=smem_bytes)
+
+
 def launch(kernel, *, clusters: int, cluster: int, block: int, smem_bytes: int, device_index: int,
            stream_handle: int, args) -> None:
-    """Launch `clusters` clusters of `cluster` CTAs (cluster 1: plain CTAs) on a CUstream handle."""
-    from cuda.core import Device, LaunchConfig
+    """Launch `clusters` clusters of `cluster` CTAs (cluster 1: plain CTAs) on a CUstream handle. What does
+    not change between calls (the shared-memory attribute, the launch config, the stream wrapper) is made
+    once: at decode sizes the host time of a launch shows."""
+    from cuda.core import Device
     from cuda.core import launch as core_launch
 
     Device(device_index).set_current()
-    set_max_dynamic_smem(kernel, smem_bytes, device_index)
-    if cluster > 1:
-        grid = clusters * cluster // _blocks_per_grid_unit(cluster)
-        config = LaunchConfig(grid=grid, cluster=cluster, block=block, shmem_size=smem_bytes)
-    else:
-        config = LaunchConfig(grid=clusters, block=block, shmem_size=smem_bytes)
-    core_launch(_core_stream(device_index, stream_handle), config, kernel, *args)
+    _allow_smem(kernel, smem_bytes, device_index)
+    grid = clusters * cluster // _blocks_per_grid_unit(cluster) if cluster > 1 else clusters
+    core_launch(_core_stream(device_index, stream_handle), _launch_config(grid, cluster, block, smem_bytes), kernel,
+                *args)

@@ -12,14 +12,26 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 1, {}) == "decode"
     assert sm90.choose_kernel("nvfp4", sm90.DECODE_MAX_M, {}) == "decode"
     assert sm90.choose_kernel("nvfp4", sm90.DECODE_MAX_M + 1, {}) == "wgmma"
-    # M = 9-32: the register-A wgmma on small weights and for MXFP8 at M > 16 with N >= K (bf16, sm_90)
+    # M <= 16: the TMA-ring kernel where decode_ws.ring_wins (bf16 x TMA can read, sm_90)
+    assert sm90.choose_kernel("nvfp4", 1, {}, n=28672, k=8192) == "decode_ws"
+    assert sm90.choose_kernel("nvfp4", 2, {}, n=8192, k=8192) == "decode_ws"
+    assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192) == "decode_ws"
+    assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, tma_ready=False) == "decode"
+    assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, dtype=torch.float16) == "decode"
+    assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, cc=(8, 0)) == "decode"
+    assert sm90.choose_kernel("nvfp4", 4, {}, n=4096, k=14336) == "decode"
+    assert sm90.choose_kernel("mxfp8", 4, {}, n=28672, k=8192) == "decode"
+    assert sm90.choose_kernel("mxfp8", 8, {}, n=28672, k=8192) == "decode_ws"
+    assert sm90.choose_kernel("mxfp8", 8, {}, n=28672, k=8192, sms=2048) == "decode"  # too few tiles to fill
+    # M = 9-32 otherwise: the register-A wgmma on small weights and for MXFP8 at M > 16 with N >= K
     assert sm90.choose_kernel("nvfp4", 8, {}, n=4096, k=4096) == "decode"
-    assert sm90.choose_kernel("nvfp4", 9, {}, n=4096, k=4096) == "wgmma"
+    assert sm90.choose_kernel("nvfp4", 9, {}, n=4096, k=4096) == "decode_ws"
+    assert sm90.choose_kernel("nvfp4", 9, {}, n=4096, k=4096, tma_ready=False) == "wgmma"
     assert sm90.choose_kernel("nvfp4", 32, {}, n=4096, k=4096) == "wgmma"
     assert sm90.choose_kernel("nvfp4", 32, {}, n=4096, k=4096, dtype=torch.float16) == "decode"
     assert sm90.choose_kernel("nvfp4", 16, {}, n=4096, k=4096, cc=(8, 0)) == "decode"
     assert sm90.choose_kernel("nvfp4", 32, {}, n=28672, k=8192) == "decode"
-    assert sm90.choose_kernel("mxfp8", 16, {}, n=28672, k=8192) == "decode"
+    assert sm90.choose_kernel("mxfp8", 16, {}, n=28672, k=8192, tma_ready=False) == "decode"
     assert sm90.choose_kernel("mxfp8", 17, {}, n=28672, k=8192) == "wgmma"
     assert sm90.choose_kernel("mxfp8", 32, {}, n=8192, k=8192) == "wgmma"
     assert sm90.choose_kernel("mxfp8", 32, {}, n=4096, k=14336) == "decode"
@@ -68,6 +80,8 @@ def test_explicit_kernel_wins_and_is_checked(monkeypatch):
         sm90.choose_kernel("nvfp4", 128, {"kernel": "wgmma"}, cc=(8, 9))
     with pytest.raises(ValueError, match="wgmma_ws kernel takes bf16"):
         sm90.choose_kernel("nvfp4", 4096, {"kernel": "wgmma_ws"}, torch.float16)
+    with pytest.raises(ValueError, match="decode_ws kernel takes bf16 activations on sm_90, not torch.bfloat16 on sm_80"):
+        sm90.choose_kernel("nvfp4", 1, {"kernel": "decode_ws"}, cc=(8, 0))
     with pytest.raises(ValueError, match="takes mxfp4, mxfp8 weights, not nvfp4"):
         sm90.choose_kernel("nvfp4", 4096, {"kernel": "fp8"})
 

@@ -1,7 +1,7 @@
 """sm90 kernels on the GPU against the reference dequantization and a float64 matmul.
 
 Error bounds (per element, against y64 = x64 @ W64^T + bias with W the exact dequantized weight):
-  decode / wgmma / wgmma_ws (W4A16, W8A16): the weights enter the MMA exactly (bf16 holds every element times
+  decode / decode_ws / wgmma / wgmma_ws (W4A16, W8A16): the weights enter the MMA exactly (bf16 holds every element times
     its scale), products accumulate in fp32 and y is rounded once to x's dtype, so
     |y - y64| <= 2**-8 |y64| + K 2**-22 (|x| @ |W|^T)    (bf16 output; 2**-11 for fp16 output)
   dequant: W itself is rounded to x's dtype first (as the reference backend does): 2**-8 relative
@@ -113,6 +113,44 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
         _check(y, y64, mag, k, torch.bfloat16)
 
 
+# decode_ws tilings: ring_config's, a 2-stage ring that wraps, ragged row tiles (5 groups over 8 or 63 row groups),
+# split-K over clusters of 2 and 3 (K = 256: 4 steps, so 2 + 2 or 2 + 2 + 0), 16 groups (17 warps)
+RING_CONFIGS = [None, dict(steps=2, stages=2, split=1), dict(groups=5, steps=2, stages=4, split=2),
+                dict(groups=4, steps=2, stages=3, split=3), dict(groups=16, steps=2, stages=4, split=1)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 128, 256), (1, 200, 160 + 64), (5, 1000, 96 * 8), (8, 384, 1024),
+                                   (9, 130, 2048 + 32), (16, 640, 512)])
+def test_decode_ws_kernel(fmt, m, n, k, seed):
+    """The TMA-ring decode kernel in the tilings above, 8 activation rows up to M = 8 and 16 above; K = 224
+    (padded to 256) and 2080 (padded to 2176: 34 steps, so 2 per stage) end partway into a stage's x box."""
+    from dataclasses import replace
+    from microscale.kernels.sm90 import decode_ws as D, prepare
+    from microscale.kernels.sm90.decode import FMT_CODE
+    x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
+    prep = prepare(q)
+    for fields in RING_CONFIGS:
+        cfg = None if fields is None else replace(D.RingConfig(**fields), block_m=8 if m <= 8 else 16)
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        D.decode_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y)
+        _check(y, y64, mag, k, torch.bfloat16)
+
+
+def test_decode_ws_is_deterministic(seed):
+    """Split-K over a cluster sums the parts in rank order: the same call twice gives the same bits."""
+    from microscale.kernels.sm90 import decode_ws as D, prepare
+    from microscale.kernels.sm90.decode import FMT_CODE
+    m, n, k = 3, 8192, 4096
+    x, q, _, y64, mag = _case("nvfp4", m, n, k, torch.bfloat16, seed, bias=False)
+    prep = prepare(q)
+    cfg = D.ring_config(m, n, k, FMT_CODE["nvfp4"])
+    assert cfg.split == 2
+    y = D.decode_ws_gemm(x, *prep, None, FMT_CODE["nvfp4"], n, k)
+    _check(y, y64, mag, k, torch.bfloat16)
+    assert torch.equal(y, D.decode_ws_gemm(x, *prep, None, FMT_CODE["nvfp4"], n, k))
+
+
 def test_wgmma_ws_split_parts_sum_in_rank_order(seed):
     """Split-K is deterministic: the same call twice gives the same bits, and a part with no K steps
     (K = 128: 2 steps over 4 parts) adds zeros."""
@@ -127,15 +165,16 @@ def test_wgmma_ws_split_parts_sum_in_rank_order(seed):
     assert torch.equal(y, W.wgmma_ws_gemm(x, *prep, b, FMT_CODE["nvfp4"], n, k, cfg))
 
 
-def test_wgmma_ws_captured_in_a_cuda_graph(seed):
+@pytest.mark.parametrize("kernel,m", [("wgmma_ws", 600), ("decode_ws", 4)])
+def test_tma_kernels_captured_in_a_cuda_graph(kernel, m, seed):
     """A call captured with a new activation buffer (its tensor map copied to the device inside the
     capture) replays on new values as the eager call computes them; an eager call on that buffer
     before the first replay (when the graph has not written its map yet) is right too."""
     from microscale.kernels import sm90
-    m, n, k = 600, 1000, 1024 + 64
+    n, k = 1000, 1024 + 64
     x, q, b, y64, mag = _case("nvfp4", m, n, k, torch.bfloat16, seed)
     prep = sm90.prepare(q)
-    ws = {"kernel": "wgmma_ws"}
+    ws = {"kernel": kernel}
     _check(sm90.gemm(x, *prep, b, fmt="nvfp4", n=n, k=k, options=ws), y64, mag, k, torch.bfloat16)
     static_x = torch.empty_like(x)
     graph = torch.cuda.CUDAGraph()

@@ -1,6 +1,11 @@
-"""Host side of the TMA-ring decode GEMM for small M (decode_ws.cuh), sm_90a."""
+"""Host side of the TMA-ring decode GEMM for M <= 16 (decode_ws.cuh), sm_90a.
 
-from dataclasses import dataclass
+The kernel is CUDA C++ compiled at run time by NVRTC, after wgmma_ws.cuh's source (its decode routines,
+TMA and barrier helpers). Tensor maps come from wgmma_ws's cache: x's as for wgmma_ws (boxes of one K step
+by block_m rows, 128B swizzle), the weight's with boxes of `steps` K steps by `groups` row groups.
+"""
+
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -10,24 +15,87 @@ import torch
 from .. import nvrtc
 from . import wgmma_ws
 from .launch import sm_count
-from .layout import K_STEP, padded_shape
+from .layout import K_STEP, ROW_GROUP, padded_shape
 
 SOURCE_PATH = Path(__file__).with_name("decode_ws.cuh")
 ARCH = "sm_90a"
+MAX_M = 16
+SPLITS = (1, 2)  # K parts per tile (a cluster); larger clusters of one CTA per SM do not all fit at once
+MIN_FILL = 0.85  # ring_config's tiling must give at least this fraction of the SMs a CTA
+MAX_STAGE_BYTES = 48 * 1024
+IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 
 
 @dataclass(frozen=True)
 class RingConfig:
     block_m: int = 8  # activation rows (8 or 16): the MMA's N side
-    groups: int = 8  # row groups (consumer warps) per CTA
-    steps: int = 2  # K steps of 64 per stage
+    groups: int = 8  # row groups of 16 weight rows per CTA, one consumer warp each
+    steps: int = 4  # K steps of 64 per ring stage
     stages: int = 4
-    split: int = 0  # K parts per tile, the CTAs of a cluster (1-8); 0 = from the grid
+    split: int = 1  # K parts per tile: the CTAs of a cluster
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.groups + 1)  # + the producer warp
+
+    def stage_bytes(self, fmt_code: int) -> int:
+        """x, words and scales of one stage, rounded up to 1024 bytes (x's swizzled boxes stay aligned)."""
+        data, scale = wgmma_ws.step_bytes(fmt_code)
+        return -(-self.steps * (self.block_m * 128 + self.groups * (data + scale)) // 1024) * 1024
 
     def smem_bytes(self, fmt_code: int) -> int:
-        data, scale = wgmma_ws.step_bytes(fmt_code)
-        stage = -(-self.steps * (self.block_m * 128 + self.groups * (data + scale)) // 1024) * 1024
-        return self.stages * stage + 16 * self.stages + 1024
+        """RingSmem<>::BYTES of the kernel source: the stages, their barriers, alignment slack."""
+        return self.stages * self.stage_bytes(fmt_code) + 16 * self.stages + 1024
+
+
+@lru_cache(maxsize=None)
+def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingConfig:
+    """One CTA per SM: the (groups, split) whose tiles x split come closest to the SM count from below (on
+    weights of more than 16 row groups per SM, 16 groups and several waves of CTAs),
+    groups 4-16, split 1 or 2; on a tie groups nearest 8 for FP4 and 4 for MXFP8 (twice the bytes per row).
+    4 K steps per stage (2 when K has an odd number of pairs or 4 would pass MAX_STAGE_BYTES), as many stages
+    as IN_FLIGHT_BYTES hold, 2 to 16 K steps in all.
+    The choices the H200 sweeps of session 18 found fastest (bench/results/sweep_h200.json, runs 18c-18e):
+    28672x8192 and 28672x4096 14 groups, split 1; 8192x8192 and 8192x28672 8 groups, split 2 (MXFP8: 4,
+    split 1); 6144x4096 6, split 2; 4096x4096 4, split 2."""
+    groups_total = padded_shape(n, k)[0] // ROW_GROUP
+    kt = padded_shape(n, k)[1] // K_STEP
+    prefer = 4 if fmt_code == 2 else 8
+    best = None, 16, 1  # more than 16 row groups per SM: 16 per CTA, several waves
+    for groups in range(4, 17):
+        for split in SPLITS:
+            ctas = -(-groups_total // groups) * split
+            if ctas <= sms and (best[0] is None or (ctas, -abs(groups - prefer)) > best[0]):
+                best = (ctas, -abs(groups - prefer)), groups, split
+    _, groups, split = best
+    cfg = RingConfig(block_m=8 if m <= 8 else 16, groups=groups, steps=4, stages=4, split=split)
+    if kt % 4 or cfg.stage_bytes(fmt_code) > MAX_STAGE_BYTES:
+        cfg = replace(cfg, steps=2)
+    return replace(cfg, stages=max(2, min(16 // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))))
+
+
+def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
+    """Whether cfg's CTAs occupy at least MIN_FILL of the SMs in one wave."""
+    ctas = -(-padded_shape(n, k)[0] // (ROW_GROUP * cfg.groups)) * cfg.split
+    return MIN_FILL * sms <= ctas <= sms
+
+
+def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
+    """Whether this kernel (ring_config's tiling) runs M <= 16 faster than the Triton decode kernel, from the
+    interleaved A/B of session 18 on 7 weights, 3 formats, M = 1-16 (sweep_h200.json run 18f; bf16 x):
+    - FP4 on weights of 8192 rows or more from M = 2 (level at M = 1 there: 8192x8192 13.9 us either way;
+      M = 8 15.3 -> 14.1), from M = 1 on 16384 rows or more (split 1: 28672x8192 37.3 -> 36.5,
+      M = 16 47.4 -> 39.9), and at M = 9-16 on weights of at most 4096x4096 elements (9.2 -> 8.3);
+    - MXFP8 from M = 8 (4096x4096 M = 8 10.1 -> 8.8; at M = 1-4 the Triton kernel, 8 programs per SM with
+      one tile in flight, is up to 8% faster on the large weights).
+    Elsewhere (FP4 6144x4096 and 4096x14336: 4-6 consumer warps per SM) the Triton kernel's finer split
+    wins by 4-21%. Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one
+    wave (fills)."""
+    if m > MAX_M or not fills(ring_config(m, n, k, fmt_code, sms), n, k, sms):
+        return False
+    if fmt_code == 2:
+        return m >= 8
+    return (n >= 8192 and (m >= 2 or n >= 16384)) or (m >= 9 and n * k <= 4096 * 4096)
 
 
 def source() -> str:
@@ -39,58 +107,54 @@ def name_expression(fmt_code: int, cfg: RingConfig) -> str:
 
 
 @lru_cache(maxsize=None)
+def _compiled(variants: tuple) -> nvrtc.CompiledKernels:
+    """The kernels of (fmt_code, RingConfig) variants; a static_assert per variant keeps smem_bytes equal to
+    the source's RingSmem<>::BYTES."""
+    checks = [f"static_assert(ms90::RingSmem<{f}, {c.block_m}, {c.groups}, {c.steps}, {c.stages}>::BYTES == "
+              f"{c.smem_bytes(f)}, \"RingConfig.smem_bytes differs from RingSmem::BYTES\");" for f, c in variants]
+    return nvrtc.compile_kernels(tuple(name_expression(f, c) for f, c in variants),
+                                 source=source() + "\n" + "\n".join(checks) + "\n", label=SOURCE_PATH.name, arch=ARCH)
+
+
+@lru_cache(maxsize=None)
 def _kernel(fmt_code: int, cfg: RingConfig, device_index: int):
-    compiled = nvrtc.compile_kernels((name_expression(fmt_code, cfg),), source=source(), label=SOURCE_PATH.name,
-                                     arch=ARCH)
-    return nvrtc.load_kernel(compiled, name_expression(fmt_code, cfg), device_index)
+    return nvrtc.load_kernel(_compiled(((fmt_code, cfg),)), name_expression(fmt_code, cfg), device_index)
 
 
-def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int, groups: int, steps: int) -> tuple:
-    data_bytes, scale_bytes = wgmma_ws.step_bytes(fmt_code)
-    n_groups, kt = data.shape[0], data.shape[1] // data_bytes
-    words = nvrtc.TensorMapSpec(address=data.data_ptr(), global_dims=(256, data_bytes // 256, kt, n_groups),
-                                global_strides=(256, data_bytes, kt * data_bytes),
-                                box_dims=(256, data_bytes // 256, steps, groups), swizzle="none")
-    scales = nvrtc.TensorMapSpec(address=scale.data_ptr(), global_dims=(scale_bytes, kt, n_groups),
-                                 global_strides=(scale_bytes, kt * scale_bytes), box_dims=(scale_bytes, steps, groups),
-                                 swizzle="none")
-    return words, scales
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
-def split_for(tiles: int, kt: int, cfg: RingConfig, sms: int, per_sm: int) -> int:
-    """Largest split of 1..8 that keeps the CTAs within one wave of per_sm per SM, K parts of at least 4 stages."""
-    best = 1
-    for s in range(1, 9):
-        if tiles * s <= sms * per_sm and kt // s >= 4 * cfg.steps:
-            best = s
-    return best
+def supports(x: torch.Tensor) -> bool:
+    return x.shape[0] <= MAX_M and wgmma_ws.supports(x)
 
 
-def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: RingConfig = None, out=None,
-                   per_sm: int = 2):
-    cfg = cfg or RingConfig()
+def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: RingConfig = None, out=None):
+    """y = x @ W^T (+ bias) for bf16 x [M <= 16, K] and prepared weights (layout.shuffle_weights)."""
     m = x.shape[0]
-    if m > cfg.block_m or not wgmma_ws.supports(x):
-        raise ValueError(f"decode_ws: M={m} > block_m={cfg.block_m} or x not TMA-readable bf16")
+    if not supports(x):
+        raise ValueError(f"decode_ws: x must be bf16 [M <= {MAX_M}, K] with unit column stride and 16-byte-aligned "
+                         f"rows (and cuda-python installed), got {x.dtype} of shape {tuple(x.shape)}, strides "
+                         f"{x.stride()}")
+    if cfg is None:
+        cfg = ring_config(m, n, k, fmt_code, sm_count(_device_index(x)))
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
-    rows = 16 * cfg.groups
-    if np_ % rows or kt % cfg.steps:
-        raise ValueError(f"decode_ws: {cfg} does not tile the padded {np_} x {kp} weight")
+    if m > cfg.block_m or kt % cfg.steps or cfg.split not in range(1, 9):
+        raise ValueError(f"decode_ws: {cfg} cannot run M={m} (block_m) on K={kp} ({kt} steps of {K_STEP}), or its "
+                         f"split is not a cluster size of 1-8")
+    device = _device_index(x)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    tiles = np_ // rows
-    split = cfg.split or split_for(tiles, kt, cfg, sm_count(device), per_sm)
-    cfg = RingConfig(cfg.block_m, cfg.groups, cfg.steps, cfg.stages, split)
-    steps = -(-kt // split)
-    steps = -(-steps // cfg.steps) * cfg.steps
+    tiles = -(-np_ // (ROW_GROUP * cfg.groups))  # a last tile past the rows reads zeros (TMA) and stores nothing
+    steps = -(-kt // cfg.split // cfg.steps) * cfg.steps  # per K part, whole stages
     tmap = wgmma_ws._device_maps((wgmma_ws.x_map_spec(x, cfg.block_m),), x.device)
-    wmaps = wgmma_ws._device_maps(weight_map_specs(data, scale, fmt_code, cfg.groups, cfg.steps), x.device, owner=data)
+    wmaps = wgmma_ws._device_maps(wgmma_ws.weight_map_specs(data, scale, fmt_code, cfg.groups, cfg.steps), x.device,
+                                  owner=data)
     args = (tmap.data_ptr(), wmaps.data_ptr(), row_mult.data_ptr(), 0 if bias is None else bias.data_ptr(),
             y.data_ptr(), np.int32(m), np.int32(n), np.int32(kt), np.int32(y.stride(0)), np.int32(steps))
-    nvrtc.launch(_kernel(fmt_code, cfg, device), clusters=tiles, cluster=split, block=(cfg.groups + 1) * 32,
+    nvrtc.launch(_kernel(fmt_code, cfg, device), clusters=tiles, cluster=cfg.split, block=cfg.threads,
                  smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
                  stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)
     return y

@@ -175,18 +175,20 @@ def _device_maps(specs: tuple, device, owner: torch.Tensor = None) -> torch.Tens
     return entry[1]
 
 
-def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int) -> tuple:
+def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int, box_groups: int = 8,
+                     box_steps: int = 1) -> tuple:
     """The words [N/16, K/64 x DATA bytes] as (256 bytes, DATA / 256, K steps, row groups) and the scales
-    [N/16, K/64 x SCALE bytes] as (SCALE bytes, K steps, row groups), boxes of one K step of 8 row groups
-    (a CTA's 128 rows): one copy each per step, landing in the order the consumers read."""
+    [N/16, K/64 x SCALE bytes] as (SCALE bytes, K steps, row groups), boxes of box_steps K steps of box_groups
+    row groups (here one step of a CTA's 128 rows; decode_ws: a ring stage): one copy each, landing in the
+    order the consumers read (row group by row group, each one's steps in K order)."""
     data_bytes, scale_bytes = step_bytes(fmt_code)
     groups, kt = data.shape[0], data.shape[1] // data_bytes
     words = nvrtc.TensorMapSpec(address=data.data_ptr(), global_dims=(256, data_bytes // 256, kt, groups),
                                 global_strides=(256, data_bytes, kt * data_bytes),
-                                box_dims=(256, data_bytes // 256, 1, 8), swizzle="none")
+                                box_dims=(256, data_bytes // 256, box_steps, box_groups), swizzle="none")
     scales = nvrtc.TensorMapSpec(address=scale.data_ptr(), global_dims=(scale_bytes, kt, groups),
-                                 global_strides=(scale_bytes, kt * scale_bytes), box_dims=(scale_bytes, 1, 8),
-                                 swizzle="none")
+                                 global_strides=(scale_bytes, kt * scale_bytes),
+                                 box_dims=(scale_bytes, box_steps, box_groups), swizzle="none")
     return words, scales
 
 

@@ -1,0 +1,112 @@
+"""CPU CI for the TMA-ring decode kernel (kernels/sm90/decode_ws.cuh): NVRTC builds the variants the library and
+the GPU tests launch for sm_90a, the SASS holds the ring (TMA boxes, mbarriers) and one mma.sync per 16 of K and
+8 activation rows with nothing spilled, the shared-memory size the launch asks for is the source's, and the
+tiling rule (ring_config, ring_wins) gives what it says.
+
+The kernel's numerics run on the H200: tests/kernels/test_sm90_gemm.py (marked gpu).
+"""
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.core")
+
+from microscale.kernels import nvrtc  # noqa: E402
+from microscale.kernels.sm90 import decode_ws as D  # noqa: E402
+from microscale.kernels.sm90.decode import FMT_CODE  # noqa: E402
+
+# ring_config's choices for the benchmark's weights, and the tilings of test_sm90_gemm.py
+CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1), D.RingConfig(groups=8, split=2),
+           D.RingConfig(block_m=16, groups=4, split=1), D.RingConfig(steps=2, stages=2, split=1),
+           D.RingConfig(groups=5, steps=2, split=2), D.RingConfig(block_m=16, groups=4, steps=2, stages=3, split=3),
+           D.RingConfig(block_m=16, groups=16, steps=2, stages=4, split=1))
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MICROSCALE_CACHE_DIR", str(tmp_path_factory.mktemp("nvrtc-cache")))
+    compiled = D._compiled(tuple((f, c) for f in FMT_CODE.values() for c in CONFIGS))
+    yield compiled, nvrtc.disassemble(compiled.cubin), nvrtc.resource_usage(compiled.cubin)
+    mp.undo()
+
+
+@pytest.mark.parametrize("fmt", list(FMT_CODE))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-g{c.groups}-s{c.steps}-st{c.stages}-split{c.split}")
+def test_sass_holds_the_ring(build, fmt, cfg):
+    compiled, sass, resources = build
+    code = sass[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg)]]
+    # the consumer's stage: per K step 4 slices of 16, each with block_m / 8 MMAs of 8 activation rows
+    assert len(re.findall(r"HMMA\.16816\.F32\.BF16", code)) == 4 * cfg.steps * cfg.block_m // 8
+    assert "UTMALDG.2D" in code and "UTMALDG.3D" in code and "UTMALDG.4D" in code  # x, scales, words
+    for op in ("SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT"):
+        assert op in code, op
+    if cfg.split > 1:  # partials summed through the cluster's shared memory, cluster barriers
+        assert code.count("UCGABAR_ARV") == 2 and "LD.E.128" in code
+    else:
+        assert "UCGABAR_ARV" not in code
+    res = resources[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg)]]
+    assert res.get("LOCAL", 0) == 0 and res["REG"] * cfg.threads <= 65536, res
+
+
+def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkeypatch):
+    """RingConfig.smem_bytes (what the launch asks for) must equal the source's RingSmem<>::BYTES."""
+    monkeypatch.setenv("MICROSCALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(D.RingConfig, "smem_bytes", lambda self, fmt_code: 4096)
+    with pytest.raises(RuntimeError, match="RingConfig.smem_bytes differs"):
+        D._compiled.__wrapped__(((0, D.RingConfig()),))
+
+
+@pytest.mark.parametrize("n,k,fmt,want", [
+    (28672, 8192, "nvfp4", D.RingConfig(groups=14, steps=4, stages=3, split=1)),  # 128 tiles of 14 row groups
+    (8192, 28672, "nvfp4", D.RingConfig(groups=8, steps=4, stages=4, split=2)),  # 64 tiles x 2 parts
+    (8192, 8192, "mxfp8", D.RingConfig(groups=4, steps=4, stages=4, split=1)),  # the tie goes to 4 groups
+    (6144, 4096, "mxfp8", D.RingConfig(groups=6, steps=4, stages=4, split=2)),
+    (28672, 8192, "mxfp8", D.RingConfig(groups=14, steps=2, stages=4, split=1)),  # 4 steps: a 62 KB stage
+    (4096, 4096 + 128, "nvfp4", D.RingConfig(groups=4, steps=2, stages=8, split=2)),  # 66 steps: 2 per stage
+])
+def test_ring_config_fills_the_sms_with_one_cta_each(n, k, fmt, want):
+    assert D.ring_config(1, n, k, FMT_CODE[fmt]) == want
+    assert D.ring_config(16, n, k, FMT_CODE[fmt]).block_m == 16
+
+
+def test_ring_config_never_launches_more_ctas_than_sms(seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        n, k = (int(v) * 64 for v in torch.randint(1, 600, (2,), generator=g))
+        fmt_code = int(torch.randint(0, 3, (1,), generator=g))
+        cfg = D.ring_config(1, n, k, fmt_code)
+        groups = D.padded_shape(n, k)[0] // 16
+        if groups <= 16 * 132:
+            assert -(-groups // cfg.groups) * cfg.split <= 132 and 4 <= cfg.groups <= 16 and cfg.split in D.SPLITS
+        else:  # taller than 16 row groups per SM: several waves, and ring_wins leaves it to the Triton kernel
+            assert (cfg.groups, cfg.split) == (16, 1) and not D.ring_wins(fmt_code, 1, n, k)
+        assert cfg.smem_bytes(fmt_code) <= 227 * 1024 and (D.padded_shape(n, k)[1] // 64) % cfg.steps == 0
+
+
+def test_ring_wins_where_measured():
+    wins = {(f, n, k): [m for m in (1, 2, 8, 9, 16) if D.ring_wins(FMT_CODE[f], m, n, k)]
+            for f in ("nvfp4", "mxfp8") for n, k in ((28672, 8192), (8192, 8192), (4096, 4096), (4096, 14336))}
+    assert wins[("nvfp4", 28672, 8192)] == [1, 2, 8, 9, 16]
+    assert wins[("nvfp4", 8192, 8192)] == [2, 8, 9, 16]
+    assert wins[("nvfp4", 4096, 4096)] == [9, 16]
+    assert wins[("nvfp4", 4096, 14336)] == []
+    assert all(wins[("mxfp8", n, k)] == [8, 9, 16] for n, k in ((28672, 8192), (8192, 8192), (4096, 4096)))
+    assert not D.ring_wins(FMT_CODE["nvfp4"], 17, 28672, 8192)  # M <= 16 only
+    assert not D.ring_wins(FMT_CODE["nvfp4"], 16, 512, 512)  # 4 CTAs: most SMs idle
+    assert not D.ring_wins(FMT_CODE["mxfp8"], 16, 28672, 8192, sms=2048)  # at most 896 CTAs (4 groups, split 2)
+
+
+def test_x_it_cannot_take_is_refused():
+    if not D.supports(torch.zeros(1, 64, dtype=torch.bfloat16)):
+        pytest.skip("decode_ws.supports needs cuda-python")
+    for x in (torch.zeros(17, 64, dtype=torch.bfloat16), torch.zeros(4, 64, dtype=torch.float16),
+              torch.zeros(4, 100, dtype=torch.bfloat16)):
+        assert not D.supports(x)
+        with pytest.raises(ValueError, match="decode_ws: x must be bf16"):
+            D.decode_ws_gemm(x, None, None, None, None, 0, 128, x.shape[1])
+    with pytest.raises(ValueError, match="cannot run M=9"):
+        D.decode_ws_gemm(torch.zeros(9, 64, dtype=torch.bfloat16), None, None, None, None, 0, 128, 64,
+                         D.RingConfig(block_m=8))
