@@ -282,6 +282,11 @@ def _key_results(results: dict) -> list:
             rows.append(f"| {fmt} M=1 N={n} K={k} >= {want}x bf16; M=16 >= 90% of that | "
                         f"M=1 {fx(m1)} ({fx(f1)}), M=16 {fx(m16)} ({fx(f16)}; "
                         f"{'-' if ratio is None else f'{ratio:.0%}'} of M=1) |")
+            ws1, ws16 = sp(fmt, 1, n, k, "sm90:decode_ws"), sp(fmt, 16, n, k, "sm90:decode_ws")
+            if ws16:  # the opt-in kernel (not the dispatch's choice: docs/dispatch.md)
+                best1 = max(v for v in (m1, ws1) if v)
+                rows.append(f"| same, with the opt-in decode_ws kernel | M=1 {fx(ws1)}, M=16 {fx(ws16)} "
+                            f"({ws16 / best1:.0%} of the better M=1) |")
     large = [r for r in results["gemm"] if r["M"] >= 1024 and r["backend"] in ("sm90:wgmma_ws", "sm90:dequant")]
     for backend, label in (("sm90:wgmma_ws", "fused wgmma_ws"), ("sm90:dequant", "dequant + cuBLAS")):
         by_m = {}
