@@ -10,10 +10,13 @@
 // the weights as A and x as B, as the Triton kernel does. Split-K over the CTAs of a cluster, the
 // partials summed through distributed shared memory in rank order.
 //
-// Compiled after wgmma_ws.cuh's source (decode_ws.py), whose helpers it uses.
+// Opt-in (decode_ws.py says why the dispatch does not take it). Compiled after wgmma_ws.cuh's source, whose
+// helpers it uses.
 
 namespace ms90 {
 
+// A stage: x's STEPS boxes of BM rows, then the words [RGS][STEPS][DATA_BYTES], then the scales
+// [RGS][STEPS][SCALE_BYTES] (the TMA boxes' order), padded to 1024 bytes; the full/empty barriers after the ring.
 template <int FMT, int BM, int RGS, int STEPS, int STAGES>
 struct RingSmem {
   static constexpr int X_STEP = BM * X_ROW_BYTES;  // one K step of x, 128B-swizzled rows
