@@ -81,14 +81,7 @@ decode_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, 
   const int kt0 = part * steps;
   const int stages_mine = max(0, min(KT - kt0, steps)) / STEPS;  // steps and KT are multiples of STEPS
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, RGS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring_barriers(full, empty, STAGES, RGS);
 
   float acc[L::ACC];
 #pragma unroll

@@ -61,6 +61,19 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
 
+// A ring's barriers, by thread 0, before the whole CTA goes on: full[s] completes on the producer's arrival and
+// the stage's bytes, empty[s] on one arrival per consumer warp.
+__device__ __forceinline__ void init_ring_barriers(u32 full, u32 empty, int stages, int consumer_warps) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, consumer_warps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
@@ -338,14 +351,7 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, c
   const int m_tile = first_m + tile % per_group % group_rows;
   const int n_tile = tile % per_group / group_rows;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring_barriers(full, empty, STAGES, 8);
 
   float acc[BM / 2];
   if (warp == PRODUCER_WARP) {
