@@ -34,7 +34,8 @@ def build(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", list(FMT_CODE))
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-g{c.groups}-s{c.steps}-st{c.stages}-split{c.split}")
+@pytest.mark.parametrize("cfg", CONFIGS,
+                         ids=lambda c: f"bm{c.block_m}-g{c.groups}-s{c.steps}-st{c.stages}-split{c.split}")
 def test_sass_holds_the_ring(build, fmt, cfg):
     compiled, sass, resources = build
     code = sass[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg)]]

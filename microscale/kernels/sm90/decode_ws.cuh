@@ -142,7 +142,9 @@ decode_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, 
         for (int r = 0; r < SPLIT; ++r) {
           float v[4];
           asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                       : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(map_to_rank(partial + 4 * i, r)) : "memory");
+                       : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                       : "r"(map_to_rank(partial + 4 * i, r))
+                       : "memory");
 #pragma unroll
           for (int j = 0; j < 4; ++j) acc[i + j] = r == 0 ? v[j] : acc[i + j] + v[j];
         }

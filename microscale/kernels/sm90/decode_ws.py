@@ -2,8 +2,9 @@
 
 Opt-in (sm90.gemm with options={"kernel": "decode_ws"}): alone it beats the Triton decode kernel on large
 weights, in a model's decode step it did not (docs/dispatch.md). The kernel is CUDA C++ compiled at run time
-by NVRTC, after wgmma_ws.cuh's source (its decode routines, TMA and barrier helpers). Tensor maps come from wgmma_ws's cache: x's as for wgmma_ws (boxes of one K step
-by block_m rows, 128B swizzle), the weight's with boxes of `steps` K steps by `groups` row groups.
+by NVRTC, after wgmma_ws.cuh's source (its decode routines, TMA and barrier helpers). Tensor maps come from
+wgmma_ws's cache: x's as for wgmma_ws (boxes of one K step by block_m rows, 128B swizzle), the weight's with
+boxes of `steps` K steps by `groups` row groups.
 """
 
 from dataclasses import dataclass, replace
@@ -52,8 +53,9 @@ class RingConfig:
 def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingConfig:
     """One CTA per SM: of 4-16 row groups per CTA and a split of 1 or 2, the tiling whose tiles x split come
     closest to the SM count from below; on a tie the groups nearest 8 for FP4 and 4 for MXFP8 (twice the bytes
-    per row). Weights of more than 16 row groups per SM take 16 and several waves of CTAs. 4 K steps per stage (2 when K has an odd number of pairs or 4 would pass MAX_STAGE_BYTES), as many stages
-    as IN_FLIGHT_BYTES hold, 2 to 16 K steps in all.
+    per row). Weights of more than 16 row groups per SM take 16 and several waves of CTAs. 4 K steps per stage
+    (2 when K has an odd number of pairs or 4 would pass MAX_STAGE_BYTES), as many stages as IN_FLIGHT_BYTES
+    hold, 2 to 16 K steps in all.
     The choices the H200 sweeps of session 18 found fastest (bench/results/sweep_h200.json, runs 18c-18e):
     28672x8192 and 28672x4096 14 groups, split 1; 8192x8192 and 8192x28672 8 groups, split 2 (MXFP8: 4,
     split 1); 6144x4096 6, split 2; 4096x4096 4, split 2."""
