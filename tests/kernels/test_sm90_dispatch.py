@@ -17,6 +17,9 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192) == "decode"
     assert sm90.choose_kernel("mxfp8", 8, {}, n=28672, k=8192) == "decode"
     assert sm90.choose_kernel("nvfp4", 16, {"kernel": "decode_ws"}, n=28672, k=8192) == "decode_ws"
+    # asked for in a whole model (the variable), it takes the decode steps and leaves the prefill to the rule
+    assert sm90.choose_kernel("nvfp4", 17, {"kernel": "decode_ws"}, n=28672, k=8192) == "decode"
+    assert sm90.choose_kernel("nvfp4", 512, {"kernel": "decode_ws"}, n=28672, k=8192) == "wgmma_ws"
     # M = 9-32: the register-A wgmma on small weights and for MXFP8 at M > 16 with N >= K (bf16, sm_90)
     assert sm90.choose_kernel("nvfp4", 8, {}, n=4096, k=4096) == "decode"
     assert sm90.choose_kernel("nvfp4", 9, {}, n=4096, k=4096) == "wgmma"

@@ -23,8 +23,8 @@ gemm: picks the kernel from M and the options (docs/dispatch.md):
     "dequant" otherwise (larger M, fp16/fp32 activations, other architectures, x that TMA cannot
               read, no cuda-python): dequantize into a workspace, then cuBLAS
   options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "wgmma", "wgmma_ws",
-  "dequant", "fp8", "decode_ws") overrides the choice. "decode_ws" (bf16 activations, sm_90, M <= 16) is
-  only taken when asked for: a TMA producer warp streams weight stages into a shared-memory ring, one
+  "dequant", "fp8", "decode_ws") overrides the choice. "decode_ws" (bf16 activations, sm_90, M <= 16; above
+  that, asking for it leaves the choice to the rule) is only taken when asked for: a TMA producer warp streams weight stages into a shared-memory ring, one
   consumer warp per 16 rows dequantizes into mma.sync (decode_ws.py). Alone it beats "decode" by up to 18%
   on large weights, but in a model's decode step it made the steps slower (docs/hopper.md, session 18).
 """
@@ -85,6 +85,8 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
     n, k: the weight's shape; tma_ready: whether wgmma_ws can take these activations (wgmma_ws.supports)."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
     wgmma_ready = dtype == torch.bfloat16 and cc[0] == 9
+    if forced == "decode_ws" and m > decode_ws.MAX_M:
+        forced = None  # a decode kernel: asked for in a model, it leaves the prefill's M to the rule
     if forced:
         if forced not in KERNELS:
             raise ValueError(f"sm90: unknown kernel {forced!r}; accepted: {', '.join(KERNELS)}")
