@@ -152,23 +152,28 @@ def _gather_box(base: torch.Tensor, spec, origin) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", list(FMT_CODE))
-def test_weight_boxes_are_the_consumers_bytes(fmt, seed):
+@pytest.mark.parametrize("box_groups,box_steps", [(8, 1), (5, 2)])  # wgmma_ws's boxes; a decode_ws stage
+def test_weight_boxes_are_the_consumers_bytes(fmt, box_groups, box_steps, seed):
+    """Each box lands row group by row group, each one's K steps in order; decode_ws's 5-group tiles run
+    past the 24 row groups (the last box reads zeros there)."""
     g = torch.Generator().manual_seed(seed)
-    n, k = 384, 640  # 3 row tiles, 10 K steps
+    n, k = 384, 640  # 24 row groups, 10 K steps
     data, scale, _ = prepare(quantize(torch.randn(n, k, generator=g), fmt))
-    words, scales = W.weight_map_specs(data, scale, FMT_CODE[fmt])
+    words, scales = W.weight_map_specs(data, scale, FMT_CODE[fmt], box_groups, box_steps)
     for spec in (words, scales):
         spec.validate()
     data_bytes, scale_bytes = data.shape[1] // 10, scale.shape[1] // 10
-    assert words.box_bytes == 8 * data_bytes and scales.box_bytes == 8 * scale_bytes
-    for n_tile in range(3):
-        for kt in (0, 7, 9):
-            got = _gather_box(data, words, (0, 0, kt, 8 * n_tile))
-            want = data[8 * n_tile:8 * n_tile + 8, kt * data_bytes:(kt + 1) * data_bytes].reshape(-1).numpy()
-            np.testing.assert_array_equal(got, want)
-            got = _gather_box(scale, scales, (0, kt, 8 * n_tile))
-            want = scale[8 * n_tile:8 * n_tile + 8, kt * scale_bytes:(kt + 1) * scale_bytes].reshape(-1).numpy()
-            np.testing.assert_array_equal(got, want)
+    assert words.box_bytes == box_groups * box_steps * data_bytes
+    assert scales.box_bytes == box_groups * box_steps * scale_bytes
+    for n_tile in range(-(-24 // box_groups)):
+        for kt in (0, 8 - box_steps, 10 - box_steps):
+            rows = slice(box_groups * n_tile, box_groups * (n_tile + 1))
+            for t, spec, nbytes, origin in ((data, words, data_bytes, (0, 0, kt, box_groups * n_tile)),
+                                            (scale, scales, scale_bytes, (0, kt, box_groups * n_tile))):
+                want = torch.zeros(box_groups, box_steps * nbytes, dtype=torch.uint8)
+                part = t[rows, kt * nbytes:(kt + box_steps) * nbytes]
+                want[:part.shape[0]] = part
+                np.testing.assert_array_equal(_gather_box(t, spec, origin), want.reshape(-1).numpy())
 
 
 def test_activation_box_is_one_k_step_of_the_share_with_zeros_past_m_and_k(seed):

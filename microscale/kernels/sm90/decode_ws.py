@@ -16,7 +16,7 @@ import torch
 
 from .. import nvrtc
 from . import wgmma_ws
-from .launch import sm_count
+from .launch import device_index, sm_count
 from .layout import K_STEP, ROW_GROUP, padded_shape
 
 SOURCE_PATH = Path(__file__).with_name("decode_ws.cuh")
@@ -98,10 +98,6 @@ def _kernel(fmt_code: int, cfg: RingConfig, device_index: int):
     return nvrtc.load_kernel(_compiled(((fmt_code, cfg),)), name_expression(fmt_code, cfg), device_index)
 
 
-def _device_index(x: torch.Tensor) -> int:
-    return x.device.index if x.device.index is not None else torch.cuda.current_device()
-
-
 def supports(x: torch.Tensor) -> bool:
     return x.shape[0] <= MAX_M and wgmma_ws.supports(x)
 
@@ -114,13 +110,13 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
                          f"rows (and cuda-python installed), got {x.dtype} of shape {tuple(x.shape)}, strides "
                          f"{x.stride()}")
     if cfg is None:
-        cfg = ring_config(m, n, k, fmt_code, sm_count(_device_index(x)))
+        cfg = ring_config(m, n, k, fmt_code, sm_count(device_index(x.device)))
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
     if m > cfg.block_m or kt % cfg.steps or cfg.split not in range(1, 9):
         raise ValueError(f"decode_ws: {cfg} cannot run M={m} (block_m) on K={kp} ({kt} steps of {K_STEP}), or its "
                          f"split is not a cluster size of 1-8")
-    device = _device_index(x)
+    device = device_index(x.device)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()

@@ -141,6 +141,11 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device's index (the current device for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 _TICKETS: dict = {}
 
 
@@ -195,7 +200,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
     kernel = decode.decode_gemm_kernel
     resident = 0 if cfg.split else _resident_programs(kernel, args, constexprs, cfg.num_warps, x.device)
-    sms = sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device_index(x.device))
     split = _split_for(cfg, tiles_n * tiles_m, part_steps // cfg.unroll // 4, sms, resident)  # >= 4 loop trips
     steps = triton.cdiv(triton.cdiv(part_steps, split), cfg.unroll) * cfg.unroll
     split = triton.cdiv(part_steps, steps)
@@ -266,7 +271,7 @@ def wgmma_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cf
     if np_ % cfg.block_n:
         raise ValueError(f"wgmma tile of {cfg.block_n} rows does not divide the {np_} padded weight rows")
     tiles_m, tiles_n = triton.cdiv(m, cfg.block_m), np_ // cfg.block_n
-    sms = sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device_index(x.device))
     split = _split_for(cfg, tiles_m * tiles_n, kt // 8, sms)  # >= 8 K steps per program
     steps = triton.cdiv(kt, split)
     split = triton.cdiv(kt, steps)
@@ -318,7 +323,7 @@ _SIDE_STREAMS: dict = {}
 
 def _side_stream(device) -> torch.cuda.Stream:
     """One extra stream per device, on which dequant_gemm dequantizes the next chunk."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]

@@ -22,7 +22,7 @@ import torch
 
 from .. import nvrtc
 from . import decode
-from .launch import sm_count
+from .launch import device_index, sm_count
 from .layout import K_STEP, RS_K_BITS, padded_shape
 
 SOURCE_PATH = Path(__file__).with_name("wgmma_ws.cuh")
@@ -283,7 +283,7 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
     m_tiles, n_tiles = -(-m // cfg.block_m), np_ // ROWS
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    device = device_index(x.device)
     kt = kp // K_STEP
     group_m = cfg.group_m or default_group_m(cfg.block_m, kp)
     cfg = replace(cfg, group_m=0)  # as compiled: group_m is a launch argument
