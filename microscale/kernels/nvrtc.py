@@ -5,12 +5,12 @@ sm90/wgmma_ws.cuh) through cuda-python.
   key of source hash + options + name expressions + NVRTC version, published atomically (rename).
 - `TensorMapSpec` / `encode_tensor_map`: what cuTensorMapEncodeTiled (cuda.bindings.driver) gets,
   kept as data so tests can compare it with what the kernel expects; encoding needs a driver.
-- `load_kernel` / `launch`: cuda.core module loading and cluster launches on torch's stream.
+- `load_kernel` / `launch`: cuda.core module loading; cuLaunchKernelEx cluster launches on torch's stream,
+  tensor maps passed by value (`pack_params`).
 - `disassemble` / `resource_usage`: Triton's cuobjdump on a cubin (SASS and per-kernel resources).
 
 Written against cuda-core 1.2 / cuda-bindings 13.4 and tolerant of older cuda.core (0.2-0.4):
-ObjectCode.code/_module, symbol_mapping/_sym_map, Stream.from_handle/create_stream, Kernel.handle
-as CUkernel or CUfunction, and LaunchConfig.grid counted in blocks or in clusters.
+ObjectCode.code/_module, symbol_mapping/_sym_map, Kernel.handle as CUkernel or CUfunction.
 """
 
 import ctypes
@@ -25,6 +25,8 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+import numpy as np
 
 COMMON_PATH = Path(__file__).with_name("ptx_common.cuh")  # compiled in front of every kernel source
 DEFAULT_ARCH = "sm_100a"
@@ -222,8 +224,10 @@ def _tensor_map_bytes(tmap) -> bytes:
     return ctypes.string_at(tmap.getPtr(), 128)
 
 
+@lru_cache(maxsize=1024)
 def encode_tensor_map(spec: TensorMapSpec) -> bytes:
-    """cuTensorMapEncodeTiled -> the 128-byte CUtensorMap (needs a CUDA driver, not a GPU context)."""
+    """cuTensorMapEncodeTiled -> the 128-byte CUtensorMap (needs a CUDA driver, not a GPU context). A map
+    depends on its spec alone (the address included), so a weight's is encoded once."""
     from cuda.bindings import driver
 
     spec.validate()
@@ -283,91 +287,85 @@ def _allow_smem(kernel, nbytes: int, device_index: int) -> None:
         _SMEM_SET[key] = (kernel, nbytes)  # the kernel kept alive: its id stays its own
 
 
-@lru_cache(maxsize=64)
-def _core_stream(device_index: int, handle: int):
-    """A cuda.core Stream wrapping an existing CUstream handle (torch's current stream), made once per handle."""
-    from cuda.core import Device, Stream
+def _function(kernel, device_index: int):
+    """The CUfunction of a cuda.core Kernel in the current context (its handle is a CUkernel in cuda.core
+    >= 0.2, a CUfunction before)."""
+    from cuda.bindings import driver
 
-    if hasattr(Stream, "from_handle"):
-        return Stream.from_handle(handle)
-
-    class _Method:
-        def __cuda_stream__(self):
-            return (0, handle)
-
-    class _Property:
-        @property
-        def __cuda_stream__(self):
-            return (0, handle)
-
-    device = Device(device_index)
-    try:
-        return device.create_stream(_Method())
-    except TypeError:  # cuda.core 0.1 read __cuda_stream__ as a property
-        return device.create_stream(_Property())
-
-
-@lru_cache(maxsize=None)
-def _blocks_per_grid_unit(cluster: int) -> int:
-    """CTAs that LaunchConfig(grid=1, cluster=cluster) launches: `cluster` since cuda.core fixed
-    NVIDIA/cuda-python#867 (grid counts clusters), 1 before (grid counted blocks). Read off the native
-    launch config where cuda.core exposes it, else assumed from the version (the fix shipped in 0.4)."""
-    import cuda.core
-    from cuda.core import LaunchConfig
-
-    config = LaunchConfig(grid=1, cluster=cluster, block=32)
-    try:
-        return int(config._to_native_launch_config().gridDimX)
-    except AttributeError:
-        pass
-    try:
-        from cuda.core._launch_config import _to_native_launch_config
-
-        return int(_to_native_launch_config(config).gridDimX)
-    except ImportError:
-        major, minor = (int(v) for v in cuda.core.__version__.split(".")[:2])
-        return cluster if (major, minor) >= (0, 4) else 1
-
-
-def max_active_clusters(kernel, *, cluster: int, block: int, smem_bytes: int, device_index: int,
-                        stream_handle: int):
-    """Clusters of `cluster` CTAs of `kernel` that the device holds at once, from the driver's occupancy
-    calculator (shared memory, registers, and how the SMs group into GPCs: on the H200, fewer 4-CTA
-    clusters of one CTA per SM fit than 132 / 4); None where this cuda.core cannot say."""
-    from cuda.core import Device, LaunchConfig
-
-    Device(device_index).set_current()
-    _allow_smem(kernel, smem_bytes, device_index)
-    config = LaunchConfig(grid=cluster // _blocks_per_grid_unit(cluster), cluster=cluster, block=block,
-                          shmem_size=smem_bytes)
-    occupancy = getattr(kernel, "occupancy", None)
-    if occupancy is None or not hasattr(occupancy, "max_active_clusters"):
-        return None
-    try:
-        return int(occupancy.max_active_clusters(config, stream=_core_stream(device_index, stream_handle)))
-    except TypeError:  # before the stream argument
-        return int(occupancy.max_active_clusters(config))
+    handle = kernel.handle if hasattr(kernel, "handle") else kernel._handle
+    if isinstance(handle, driver.CUkernel):
+        err, handle = driver.cuKernelGetFunction(handle)
+        if int(err) != 0:
+            raise RuntimeError(f"cuKernelGetFunction failed ({err}) on device {device_index}")
+    return handle
 
 
 @lru_cache(maxsize=256)
-def _launch_config(grid: int, cluster: int, block: int, smem_bytes: int):
-    from cuda.core import LaunchConfig
+def _launch_config(grid: int, cluster: int, block: int, smem_bytes: int, stream_handle: int):
+    """A CUlaunchConfig of `grid` CTAs in clusters of `cluster` (1: no cluster attribute)."""
+    from cuda.bindings import driver
 
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = smem_bytes
+    config.hStream = driver.CUstream(stream_handle)
     if cluster > 1:
-        return LaunchConfig(grid=grid, cluster=cluster, block=block, shmem_size=smem_bytes)
-    return LaunchConfig(grid=grid, block=block, shmem_size=smem_bytes)
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        config.attrs = [attr]
+        config.numAttrs = 1
+    return config
+
+
+def pack_params(args) -> tuple:
+    """(buffers, void* array) for cuLaunchKernelEx: each argument's bytes as the kernel takes it by value.
+    Python ints are 64-bit pointers, numpy scalars their own type, bytes a struct passed by value (the
+    128-byte tensor maps, `const __grid_constant__ TensorMap` in the source: graph capture copies them into
+    the launch node, so nothing the kernel reads lives in memory the host must keep written)."""
+    buffers = []
+    for i, a in enumerate(args):
+        if isinstance(a, bool) or not isinstance(a, (int, bytes, np.generic)):
+            raise TypeError(f"kernel argument {i}: {type(a).__name__} is not a pointer (int), a numpy scalar "
+                            f"or a by-value struct (bytes)")
+        raw = a if isinstance(a, bytes) else a.tobytes() if isinstance(a, np.generic) else struct.pack("<Q", a)
+        buffers.append(ctypes.create_string_buffer(raw, len(raw)))
+    pointers = (ctypes.c_void_p * len(buffers))(*[ctypes.addressof(b) for b in buffers])
+    return buffers, pointers
+
+
+def max_active_clusters(kernel, *, cluster: int, block: int, smem_bytes: int, device_index: int,
+                        stream_handle: int) -> int:
+    """Clusters of `cluster` CTAs of `kernel` that the device holds at once, from the driver's occupancy
+    calculator (shared memory, registers, and how the SMs group into GPCs: on the H200, fewer 4-CTA
+    clusters of one CTA per SM fit than 132 / 4)."""
+    from cuda.bindings import driver
+    from cuda.core import Device
+
+    Device(device_index).set_current()
+    _allow_smem(kernel, smem_bytes, device_index)
+    config = _launch_config(cluster, cluster, block, smem_bytes, stream_handle)
+    err, clusters = driver.cuOccupancyMaxActiveClusters(_function(kernel, device_index), config)
+    if int(err) != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed ({err}) for clusters of {cluster} CTAs of "
+                           f"{block} threads and {smem_bytes} bytes of shared memory")
+    return int(clusters)
 
 
 def launch(kernel, *, clusters: int, cluster: int, block: int, smem_bytes: int, device_index: int,
            stream_handle: int, args) -> None:
-    """Launch `clusters` clusters of `cluster` CTAs (cluster 1: plain CTAs) on a CUstream handle. What does
-    not change between calls (the shared-memory attribute, the launch config, the stream wrapper) is made
-    once: at decode sizes the host time of a launch shows."""
+    """Launch `clusters` clusters of `cluster` CTAs (cluster 1: plain CTAs) on a CUstream handle, args as
+    pack_params takes them. What does not change between calls (the shared-memory attribute, the launch
+    config) is made once: at decode sizes the host time of a launch shows."""
+    from cuda.bindings import driver
     from cuda.core import Device
-    from cuda.core import launch as core_launch
 
     Device(device_index).set_current()
     _allow_smem(kernel, smem_bytes, device_index)
-    grid = clusters * cluster // _blocks_per_grid_unit(cluster) if cluster > 1 else clusters
-    core_launch(_core_stream(device_index, stream_handle), _launch_config(grid, cluster, block, smem_bytes), kernel,
-                *args)
+    config = _launch_config(clusters * cluster, cluster, block, smem_bytes, stream_handle)
+    buffers, pointers = pack_params(args)
+    (err,) = driver.cuLaunchKernelEx(config, _function(kernel, device_index), ctypes.addressof(pointers), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed ({err}): {clusters} clusters of {cluster} CTAs of {block} "
+                           f"threads, {smem_bytes} bytes of shared memory")

@@ -37,13 +37,20 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
       " @!P bra WAIT_%=;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
 
-// A tensor map written to global memory by the host: order the TMA unit's view after that write.
-__device__ __forceinline__ void tensormap_acquire(const void* tmap) {
-  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(tmap) : "memory");
+// A CUtensorMap passed by value (nvrtc.pack_params): as a `const __grid_constant__` kernel parameter it lives
+// in the constant bank, the TMA reads it there by its generic address, and a CUDA graph's launch node holds
+// it, so no map has to be kept written in global memory.
+struct alignas(64) TensorMap {
+  u64 bits[16];
+};
+
+// Fetch a tensor map into the TMA unit's descriptor cache ahead of its first copy.
+__device__ __forceinline__ void prefetch_tensormap(const TensorMap* tmap) {
+  asm volatile("prefetch.tensormap [%0];" :: "l"(tmap) : "memory");
 }
 
 // One TMA box of a 2-D tensor map into this CTA's shared memory, completing on `bar`.
-__device__ __forceinline__ void tma_load_2d_cta(u32 dst, const void* tmap, int x, int y, u32 bar) {
+__device__ __forceinline__ void tma_load_2d_cta(u32 dst, const TensorMap* tmap, int x, int y, u32 bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];" :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar) : "memory");

@@ -42,6 +42,7 @@ def test_sass_holds_the_ring(build, fmt, cfg):
     # the consumer's stage: per K step 4 slices of 16, each with block_m / 8 MMAs of 8 activation rows
     assert len(re.findall(r"HMMA\.16816\.F32\.BF16", code)) == 4 * cfg.steps * cfg.block_m // 8
     assert "UTMALDG.2D" in code and "UTMALDG.3D" in code and "UTMALDG.4D" in code  # x, scales, words
+    assert "UTMACCTL.PF" in code  # the maps (kernel parameters) prefetched
     for op in ("SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT"):
         assert op in code, op
     if cfg.split > 1:  # partials summed through the cluster's shared memory, cluster barriers

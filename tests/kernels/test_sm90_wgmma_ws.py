@@ -6,9 +6,7 @@ gathering each box from its spec the way TMA does, against slices of the Hopper 
 The kernel's numerics run on the H200: tests/kernels/test_sm90_gemm.py (marked gpu).
 """
 
-import gc
 import re
-from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -58,6 +56,7 @@ def test_sass_holds_the_pipeline(build, fmt, cfg):
     code = sass[symbol]
     assert len(re.findall(rf"HGMMA\.64x{cfg.block_m}x16\.F32\.BF16", code)) == 4  # one per 16 of the K step
     assert "UTMALDG.2D" in code and "UTMALDG.3D" in code and "UTMALDG.4D" in code  # x, scales, words
+    assert "UTMACCTL.PF" in code  # the maps (kernel parameters) prefetched
     for op in ("SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "WARPGROUP.DEPBAR.LE"):
         assert op in code, op
     # the consumers store the decoded A tiles to shared memory and meet at a warpgroup barrier (128 threads)
@@ -194,43 +193,3 @@ def test_x_that_tma_cannot_read_is_refused():
     assert not W.supports(torch.zeros(4, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="16-byte-aligned rows"):
         W.wgmma_ws_gemm(x, None, None, None, None, 0, 8, 100)
-
-
-def test_tensor_map_cache_lifetimes(monkeypatch):
-    """_device_maps without a GPU (encoding and copy faked): maps made outside capture are reused,
-    activation maps beyond the last _X_MAPS_KEPT dropped, weight maps dropped with their weight; a map
-    made inside capture is never handed to a later call (the graph writes it only when it replays), and
-    every map a graph reads stays alive."""
-    made = []
-    monkeypatch.setattr(nvrtc, "encode_tensor_map", lambda spec: bytes(128))
-    monkeypatch.setattr(W, "_to_device", lambda maps, device: made.append(torch.zeros(len(maps))) or (None, made[-1]))
-    monkeypatch.setattr(W, "_X_MAPS", OrderedDict())
-    monkeypatch.setattr(W, "_W_MAPS", {})
-    monkeypatch.setattr(W, "_GRAPH_MAPS", [])
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    cpu = torch.device("cpu")
-
-    def x_spec(address):
-        return (nvrtc.TensorMapSpec(address=address, global_dims=(128, 8), global_strides=(128,),
-                                    box_dims=(128, 8), swizzle="128B"),)
-
-    first = W._device_maps(x_spec(16), cpu)
-    assert W._device_maps(x_spec(16), cpu) is first and len(made) == 1
-    capturing[0] = True
-    in_graph = W._device_maps(x_spec(32), cpu)  # made inside capture: not cached
-    assert W._device_maps(x_spec(16), cpu) is first  # a graph reads the cached one: kept for good
-    capturing[0] = False
-    assert W._device_maps(x_spec(32), cpu) is not in_graph
-    kept = [device_copy for _, device_copy in W._GRAPH_MAPS]
-    assert any(m is in_graph for m in kept) and any(m is first for m in kept)
-    for i in range(W._X_MAPS_KEPT + 1):
-        W._device_maps(x_spec(1024 + 16 * i), cpu)
-    assert (x_spec(16), None) not in W._X_MAPS and len(W._X_MAPS) == W._X_MAPS_KEPT
-
-    weight = torch.zeros(4)
-    w_map = W._device_maps(x_spec(48), cpu, owner=weight)
-    assert W._device_maps(x_spec(48), cpu, owner=weight) is w_map and len(W._W_MAPS) == 1
-    del weight
-    gc.collect()
-    assert not W._W_MAPS

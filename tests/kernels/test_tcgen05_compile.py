@@ -24,7 +24,7 @@ COMMON_SASS = {
     "tcgen05.alloc": r"UTCATOMSWS(\.2CTA)?\.FIND_AND_SET",
     "cp.async.bulk.tensor.2d (A, B)": r"UTMALDG\.2D",
     "cp.async.bulk.tensor.3d (scales)": r"UTMALDG\.3D",
-    "fence.proxy.tensormap": r"UTMACCTL\.IV",
+    "prefetch.tensormap": r"UTMACCTL\.PF",
     "mbarrier.init": r"SYNCS\.EXCH\.64",
     "mbarrier.arrive(.expect_tx)": r"SYNCS\.ARRIVE\.TRANS64",
     "mbarrier.try_wait.parity": r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT",
@@ -128,12 +128,29 @@ def test_launch_arguments_follow_the_kernel_signature():
     params = []
     for p in decl.split(","):
         name = re.findall(r"\w+", p)[-1]
-        kind = "ptr" if "*" in p else re.findall(r"\b(int|u32|u64)\b", p)[0]
+        kind = "tmap" if "TensorMap" in p else "ptr" if "*" in p else re.findall(r"\b(int|u32|u64)\b", p)[0]
         params.append((name, kind))
     assert tuple(params) == T.KERNEL_PARAMS
     v = T.VARIANTS[("mxfp4", 2)]
-    args = T.kernel_args(tmaps=16, out=32, bias=0, alpha=0, M=3, N=5, k_stages=2, ldo=8, **T.variant_args(v))
-    sizes = [8 if isinstance(a, int) else a.nbytes for a in args]
-    assert sizes == [{"ptr": 8, "int": 4, "u32": 4, "u64": 8}[k] for _, k in T.KERNEL_PARAMS]
+    maps = {f"tmap_{o}": bytes(range(i, i + 128)) for i, o in enumerate(("a", "b", "sfa", "sfb"))}
+    args = T.kernel_args(**maps, out=32, bias=0, alpha=0, M=3, N=5, k_stages=2, ldo=8, **T.variant_args(v))
+    sizes = [len(a) if isinstance(a, bytes) else 8 if isinstance(a, int) else a.nbytes for a in args]
+    assert sizes == [{"tmap": 128, "ptr": 8, "int": 4, "u32": 4, "u64": 8}[k] for _, k in T.KERNEL_PARAMS]
+    assert args[:4] == tuple(maps.values())
     with pytest.raises(TypeError, match="do not match"):
-        T.kernel_args(tmaps=16)
+        T.kernel_args(tmap_a=bytes(128))
+
+
+def test_pack_params_lays_out_each_argument_by_value():
+    """cuLaunchKernelEx reads parameter i from pointer i: a tensor map's 128 bytes, a pointer as 8 bytes,
+    numpy scalars at their own width."""
+    import ctypes
+    import numpy as np
+    tmap = bytes(range(7, 135))
+    buffers, pointers = nvrtc.pack_params((tmap, 0x1122334455667788, np.int32(-3), np.uint64(2**63 + 5)))
+    got = [ctypes.string_at(pointers[i], n) for i, n in enumerate((128, 8, 4, 8))]
+    assert got == [tmap, (0x1122334455667788).to_bytes(8, "little"), (-3).to_bytes(4, "little", signed=True),
+                   (2**63 + 5).to_bytes(8, "little")]
+    for bad in (1.5, True, [1], None):
+        with pytest.raises(TypeError, match="kernel argument 1"):
+            nvrtc.pack_params((tmap, bad))

@@ -112,14 +112,13 @@ def probe(tmp_path_factory):
 
 def run_probe(kernels, spec, coords, cluster=1):
     device = torch.device("cuda", torch.cuda.current_device())
-    tmap = torch.frombuffer(bytearray(T.nvrtc.encode_tensor_map(spec)), dtype=torch.uint8).to(device)
     dst = torch.full((spec.box_bytes,), 0xA5, dtype=torch.uint8, device=device)  # poison
     info = torch.zeros(16, dtype=torch.int32, device=device)  # room for a launcher that launches too many
     x, y, z = (*coords, 0)[:3]
     smem = spec.box_bytes + 1024 + 32
     T.nvrtc.launch(kernels[spec.rank], clusters=1, cluster=cluster, block=128, smem_bytes=smem,
                    device_index=device.index, stream_handle=torch.cuda.current_stream(device).cuda_stream,
-                   args=(tmap.data_ptr(), dst.data_ptr(), info.data_ptr(), np.uint32(spec.box_bytes),
+                   args=(T.nvrtc.encode_tensor_map(spec), dst.data_ptr(), info.data_ptr(), np.uint32(spec.box_bytes),
                          np.int32(x), np.int32(y), np.int32(z)))
     torch.cuda.synchronize()
     return dst.cpu(), info.cpu()

@@ -171,18 +171,19 @@ def _quantize_activations(x2d: torch.Tensor, fmt: str, global_scale: Optional[to
 
 # The kernel's parameters in order, as (name, type); a test holds this against the C++ signature.
 KERNEL_PARAMS = (
-    ("tmaps", "ptr"), ("out", "ptr"), ("bias", "ptr"), ("alpha", "ptr"),
+    ("tmap_a", "tmap"), ("tmap_b", "tmap"), ("tmap_sfa", "tmap"), ("tmap_sfb", "tmap"),
+    ("out", "ptr"), ("bias", "ptr"), ("alpha", "ptr"),
     ("M", "int"), ("N", "int"), ("k_stages", "int"), ("ldo", "int"),
     ("idesc0", "u32"), ("idesc1", "u32"), ("idesc2", "u32"), ("idesc3", "u32"),
     ("ab_desc", "u64"), ("sf_desc", "u64"),
     ("tmem_columns", "u32"), ("acc_columns", "u32"), ("sf_column0", "u32"), ("sf_slot_columns", "u32"),
     ("sfb_offset", "u32"),
 )
-_ARG_TYPES = {"ptr": int, "int": np.int32, "u32": np.uint32, "u64": np.uint64}  # cuda.core: int = pointer
+_ARG_TYPES = {"tmap": bytes, "ptr": int, "int": np.int32, "u32": np.uint32, "u64": np.uint64}  # nvrtc.pack_params
 
 
 def kernel_args(**values) -> tuple:
-    """The launch arguments in KERNEL_PARAMS order, typed for cuda.core."""
+    """The launch arguments in KERNEL_PARAMS order, typed for nvrtc.launch."""
     names = [name for name, _ in KERNEL_PARAMS]
     if sorted(values) != sorted(names):
         raise TypeError(f"kernel arguments {sorted(values)} do not match the kernel's {names}")
@@ -206,14 +207,15 @@ def run_gemm(variant: Variant, a_data, a_scale, b_data, b_scale, alpha: Optional
     device = a_data.device
     if a_data.shape[1] != b_data.shape[1]:
         raise ValueError(f"{NAME}: A has {a_data.shape[1]} K bytes per row, B has {b_data.shape[1]}")
-    maps = b"".join(nvrtc.encode_tensor_map(s) for s in tensor_map_specs(variant, a_data, a_scale, b_data, b_scale))
-    tmaps = torch.frombuffer(bytearray(maps), dtype=torch.uint8).to(device)
+    tmap_a, tmap_b, tmap_sfa, tmap_sfb = (nvrtc.encode_tensor_map(s)
+                                          for s in tensor_map_specs(variant, a_data, a_scale, b_data, b_scale))
     out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
     if bias is not None:
         bias = bias.to(device=device, dtype=torch.bfloat16).contiguous()
         if bias.shape != (n,):
             raise ValueError(f"{NAME}: bias of shape {tuple(bias.shape)} does not match N={n}")
-    args = kernel_args(tmaps=tmaps.data_ptr(), out=out.data_ptr(), bias=0 if bias is None else bias.data_ptr(),
+    args = kernel_args(tmap_a=tmap_a, tmap_b=tmap_b, tmap_sfa=tmap_sfa, tmap_sfb=tmap_sfb, out=out.data_ptr(),
+                       bias=0 if bias is None else bias.data_ptr(),
                        alpha=0 if alpha is None else alpha.data_ptr(), M=m, N=n,
                        k_stages=-(-a_data.shape[1] // D.SWIZZLE_ROW_BYTES), ldo=out.stride(0),
                        **variant_args(variant))

@@ -88,7 +88,7 @@ __device__ __forceinline__ void mbar_arrive_cluster(u32 bar) {
 
 // TMA tile loads. With CTA_GROUP == 2 the completion may be signalled on the peer CTA's barrier.
 template <int CTA_GROUP>
-__device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int x, int y, u32 bar) {
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* tmap, int x, int y, u32 bar) {
   if constexpr (CTA_GROUP == 1) {
     tma_load_2d_cta(dst, tmap, x, y, bar);
   } else {
@@ -99,7 +99,7 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int x, in
 }
 
 template <int CTA_GROUP>
-__device__ __forceinline__ void tma_load_3d(u32 dst, const void* tmap, int x, int y, int z, u32 bar) {
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* tmap, int x, int y, int z, u32 bar) {
   if constexpr (CTA_GROUP == 1) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
@@ -210,7 +210,8 @@ __device__ __forceinline__ TileCoords tile_coords(int tile, int m_blocks) {
 
 template <int FMT, int STAGES, int CTA_GROUP>
 __global__ void __launch_bounds__(THREADS, 1) tcgen05_block_scaled_gemm(
-    const u64* __restrict__ tmaps,      // 4 tensor maps of 128 B: A, B, SFA, SFB
+    const __grid_constant__ TensorMap tmap_a, const __grid_constant__ TensorMap tmap_b,
+    const __grid_constant__ TensorMap tmap_sfa, const __grid_constant__ TensorMap tmap_sfb,
     u16* __restrict__ out,              // bf16 [M, ldo]
     const u16* __restrict__ bias,       // bf16 [N] or null
     const float* __restrict__ alpha,    // one float (NVFP4: 1 / (gA * gB)) or null for 1
@@ -268,14 +269,10 @@ __global__ void __launch_bounds__(THREADS, 1) tcgen05_block_scaled_gemm(
 
   if (warp == TMA_WARP) {
     if (elect_one()) {
-      const void* tmap_a = tmaps;
-      const void* tmap_b = tmaps + 16;
-      const void* tmap_sfa = tmaps + 32;
-      const void* tmap_sfb = tmaps + 48;
-      tensormap_acquire(tmap_a);
-      tensormap_acquire(tmap_b);
-      tensormap_acquire(tmap_sfa);
-      tensormap_acquire(tmap_sfb);
+      prefetch_tensormap(&tmap_a);
+      prefetch_tensormap(&tmap_b);
+      prefetch_tensormap(&tmap_sfa);
+      prefetch_tensormap(&tmap_sfb);
       int stage = 0;
       u32 phase = 0;
       for (int tile = cluster_id; tile < tiles; tile += clusters) {
@@ -286,12 +283,12 @@ __global__ void __launch_bounds__(THREADS, 1) tcgen05_block_scaled_gemm(
           mbar_wait(empty_bar(stage), phase ^ 1);  // the first pass through the ring does not wait
           const u32 full = CTA_GROUP == 2 ? map_to_rank(full_bar(stage), 0) : full_bar(stage);
           mbar_arrive_expect_tx(full, L::STAGE_TX_BYTES);
-          tma_load_2d<CTA_GROUP>(smem + L::A_OFF + stage * L::A_BYTES, tmap_a, k * STAGE_BYTES_K, a_row, full);
-          tma_load_2d<CTA_GROUP>(smem + L::B_OFF + stage * L::B_BYTES, tmap_b, k * STAGE_BYTES_K, b_row, full);
+          tma_load_2d<CTA_GROUP>(smem + L::A_OFF + stage * L::A_BYTES, &tmap_a, k * STAGE_BYTES_K, a_row, full);
+          tma_load_2d<CTA_GROUP>(smem + L::B_OFF + stage * L::B_BYTES, &tmap_b, k * STAGE_BYTES_K, b_row, full);
           // Scale maps are (256-byte half atoms, half atoms along K, 128-row blocks).
-          tma_load_3d<CTA_GROUP>(smem + L::SFA_OFF + stage * L::SF_BYTES, tmap_sfa, 0, k * 2 * SF_ATOMS,
+          tma_load_3d<CTA_GROUP>(smem + L::SFA_OFF + stage * L::SF_BYTES, &tmap_sfa, 0, k * 2 * SF_ATOMS,
                                  t.m_block * CTA_GROUP + rank, full);
-          tma_load_3d<CTA_GROUP>(smem + L::SFB_OFF + stage * L::SF_BYTES, tmap_sfb, 0, k * 2 * SF_ATOMS,
+          tma_load_3d<CTA_GROUP>(smem + L::SFB_OFF + stage * L::SF_BYTES, &tmap_sfb, 0, k * 2 * SF_ATOMS,
                                  t.n_block, full);
           if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
@@ -404,9 +401,9 @@ __global__ void __launch_bounds__(THREADS, 1) tcgen05_block_scaled_gemm(
 // tensor map's box, strides, swizzle and out-of-bounds fill on any GPU with TMA (sm_90 and up).
 // Each CTA also records (gridDim.x, CTAs in its cluster) in `launch_info` to check cluster launches.
 template <int RANK>
-__global__ void __launch_bounds__(128, 1) tma_box_probe(const u64* __restrict__ tmap, unsigned char* __restrict__ dst,
-                                                       u32* __restrict__ launch_info, u32 box_bytes,
-                                                       int x, int y, int z) {
+__global__ void __launch_bounds__(128, 1) tma_box_probe(const __grid_constant__ TensorMap tmap,
+                                                       unsigned char* __restrict__ dst, u32* __restrict__ launch_info,
+                                                       u32 box_bytes, int x, int y, int z) {
   extern __shared__ unsigned char smem_raw[];
   const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;  // box at a 1024-byte boundary
   const u32 bar = smem + ((box_bytes + 15u) & ~15u);
@@ -417,10 +414,10 @@ __global__ void __launch_bounds__(128, 1) tma_box_probe(const u64* __restrict__ 
     launch_info[2 * blockIdx.x + 1] = cluster_ctas;
     mbar_init(bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    tensormap_acquire(tmap);
+    prefetch_tensormap(&tmap);
     mbar_arrive_expect_tx(bar, box_bytes);
-    if constexpr (RANK == 2) tma_load_2d<1>(smem, tmap, x, y, bar);
-    else tma_load_3d<1>(smem, tmap, x, y, z, bar);
+    if constexpr (RANK == 2) tma_load_2d<1>(smem, &tmap, x, y, bar);
+    else tma_load_3d<1>(smem, &tmap, x, y, z, bar);
     mbar_wait(bar, 0);
   }
   __syncthreads();

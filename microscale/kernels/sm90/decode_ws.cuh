@@ -69,7 +69,8 @@ __device__ __forceinline__ void ring_step(float (&acc)[BM / 2], u32 w_addr, u32 
 
 template <int FMT, int BM, int RGS, int STEPS, int STAGES, int SPLIT>
 __global__ void __launch_bounds__((RGS + 1) * 32)
-decode_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, const float* __restrict__ row_mult,
+decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__ TensorMap data_tmap,
+               const __grid_constant__ TensorMap scale_tmap, const float* __restrict__ row_mult,
                const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int steps) {
   using L = RingSmem<FMT, BM, RGS, STEPS, STAGES>;
   extern __shared__ unsigned char smem_raw[];
@@ -88,11 +89,9 @@ decode_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, 
   for (int i = 0; i < L::ACC; ++i) acc[i] = 0.0f;
   if (warp == RGS) {
     if (lane == 0) {
-      const u64* data_tmap = w_tmaps;
-      const u64* scale_tmap = w_tmaps + 16;
-      tensormap_acquire(x_tmap);
-      tensormap_acquire(data_tmap);
-      tensormap_acquire(scale_tmap);
+      prefetch_tensormap(&x_tmap);
+      prefetch_tensormap(&data_tmap);
+      prefetch_tensormap(&scale_tmap);
       const u64 policy = evict_first_policy();
       for (int i = 0; i < stages_mine; ++i) {
         const int stage = i % STAGES, kt = kt0 + i * STEPS;
@@ -100,9 +99,9 @@ decode_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, 
         mbar_wait(empty + 8 * stage, ((i / STAGES) & 1) ^ 1);
         mbar_arrive_expect_tx(f, L::STAGE_TX);
 #pragma unroll
-        for (int s = 0; s < STEPS; ++s) tma_load_2d_cta(base + s * L::X_STEP, x_tmap, (kt + s) * X_ROW_BYTES, 0, f);
-        tma_load_4d_hint(base + L::X_BYTES, data_tmap, 0, 0, kt, n_tile * RGS, f, policy);
-        tma_load_3d_hint(base + L::X_BYTES + L::W_BYTES, scale_tmap, 0, kt, n_tile * RGS, f, policy);
+        for (int s = 0; s < STEPS; ++s) tma_load_2d_cta(base + s * L::X_STEP, &x_tmap, (kt + s) * X_ROW_BYTES, 0, f);
+        tma_load_4d_hint(base + L::X_BYTES, &data_tmap, 0, 0, kt, n_tile * RGS, f, policy);
+        tma_load_3d_hint(base + L::X_BYTES + L::W_BYTES, &scale_tmap, 0, kt, n_tile * RGS, f, policy);
       }
     }
   } else {

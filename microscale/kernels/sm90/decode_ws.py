@@ -122,11 +122,9 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
         bias = bias.to(torch.bfloat16).contiguous()
     tiles = -(-np_ // (ROW_GROUP * cfg.groups))  # a last tile past the rows reads zeros (TMA) and stores nothing
     steps = -(-kt // cfg.split // cfg.steps) * cfg.steps  # per K part, whole stages
-    tmap = wgmma_ws._device_maps((wgmma_ws.x_map_spec(x, cfg.block_m),), x.device)
-    wmaps = wgmma_ws._device_maps(wgmma_ws.weight_map_specs(data, scale, fmt_code, cfg.groups, cfg.steps), x.device,
-                                  owner=data)
-    args = (tmap.data_ptr(), wmaps.data_ptr(), row_mult.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            y.data_ptr(), np.int32(m), np.int32(n), np.int32(kt), np.int32(y.stride(0)), np.int32(steps))
+    args = (*wgmma_ws.map_args(x, cfg.block_m, data, scale, fmt_code, cfg.groups, cfg.steps), row_mult.data_ptr(),
+            0 if bias is None else bias.data_ptr(), y.data_ptr(), np.int32(m), np.int32(n), np.int32(kt),
+            np.int32(y.stride(0)), np.int32(steps))
     nvrtc.launch(_kernel(fmt_code, cfg, device), clusters=tiles, cluster=cfg.split, block=cfg.threads,
                  smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
                  stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)

@@ -81,14 +81,15 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 // Weight boxes, with an L2 policy: weights are read by few CTAs, x by every row tile. One box per step
 // for each of the words and the scales of 8 row groups: as 16 separate bulk copies of 64-512 bytes the
 // copies, not the tensor cores, set the pace (measured on the H200).
-__device__ __forceinline__ void tma_load_3d_hint(u32 dst, const void* tmap, int x, int y, int z, u32 bar, u64 policy) {
+__device__ __forceinline__ void tma_load_3d_hint(u32 dst, const TensorMap* tmap, int x, int y, int z, u32 bar,
+                                                 u64 policy) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
       " [%0], [%1, {%2, %3, %4}], [%5], %6;"
       :: "r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(z), "r"(bar), "l"(policy) : "memory");
 }
 
-__device__ __forceinline__ void tma_load_4d_hint(u32 dst, const void* tmap, int x, int y, int z, int w, u32 bar,
+__device__ __forceinline__ void tma_load_4d_hint(u32 dst, const TensorMap* tmap, int x, int y, int z, int w, u32 bar,
                                                  u64 policy) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
@@ -331,7 +332,8 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BM / 2], const flo
 
 template <int FMT, int BM, int STAGES, int SPLIT, bool RS>
 __global__ void __launch_bounds__(THREADS, 1)
-wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, const float* __restrict__ row_mult,
+wgmma_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__ TensorMap data_tmap,
+              const __grid_constant__ TensorMap scale_tmap, const float* __restrict__ row_mult,
               const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int m_tiles,
               int n_tiles, int group_m, int steps) {
   using L = Smem<FMT, BM, STAGES, RS>;
@@ -355,12 +357,10 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, c
 
   float acc[BM / 2];
   if (warp == PRODUCER_WARP) {
-    const u64* data_tmap = w_tmaps;  // words (256 bytes, DATA / 256, K steps, row groups)
-    const u64* scale_tmap = w_tmaps + 16;  // scales (SCALE bytes, K steps, row groups)
     if (lane == 0) {
-      tensormap_acquire(x_tmap);
-      tensormap_acquire(data_tmap);
-      tensormap_acquire(scale_tmap);
+      prefetch_tensormap(&x_tmap);
+      prefetch_tensormap(&data_tmap);
+      prefetch_tensormap(&scale_tmap);
     }
     __syncwarp();
     const u64 policy = evict_first_policy();
@@ -370,9 +370,9 @@ wgmma_ws_gemm(const u64* __restrict__ x_tmap, const u64* __restrict__ w_tmaps, c
       mbar_wait(empty + 8 * stage, ((i / STAGES) & 1) ^ 1);
       if (lane == 0) {
         mbar_arrive_expect_tx(f, L::STAGE_TX);
-        tma_load_2d_cta(smem + L::X_OFF + stage * L::X_BYTES, x_tmap, kt * X_ROW_BYTES, m_tile * BM, f);
-        tma_load_4d_hint(smem + L::W_OFF + stage * L::W_BYTES, data_tmap, 0, 0, kt, n_tile * 8, f, policy);
-        tma_load_3d_hint(smem + L::S_OFF + stage * L::S_BYTES, scale_tmap, 0, kt, n_tile * 8, f, policy);
+        tma_load_2d_cta(smem + L::X_OFF + stage * L::X_BYTES, &x_tmap, kt * X_ROW_BYTES, m_tile * BM, f);
+        tma_load_4d_hint(smem + L::W_OFF + stage * L::W_BYTES, &data_tmap, 0, 0, kt, n_tile * 8, f, policy);
+        tma_load_3d_hint(smem + L::S_OFF + stage * L::S_BYTES, &scale_tmap, 0, kt, n_tile * 8, f, policy);
       }
     }
   } else {

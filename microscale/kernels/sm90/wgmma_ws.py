@@ -6,13 +6,11 @@ shared-memory ring by TMA while two warpgroups decode and keep their wgmmas in f
 completed here: the decode routines come from decode.py (one PTX text for every kernel) and the
 wgmma wrappers, whose 64-128 accumulator operands are tedious to write by hand, are generated.
 
-Tensor maps (128 bytes each, in global memory) are cached per address, shape and box: the weights' are
-made once per weight, x's once per activation buffer (_device_maps says how CUDA graphs are served).
+Tensor maps (128 bytes each) are kernel parameters passed by value (nvrtc.pack_params): a captured
+CUDA graph holds them in its launch nodes, and nvrtc.encode_tensor_map encodes a weight's once.
 """
 
 import json
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -130,49 +128,11 @@ def _kernel(fmt_code: int, cfg: WsConfig, device_index: int):
     return nvrtc.load_kernel(_compiled(((fmt_code, cfg),)), name_expression(fmt_code, cfg), device_index)
 
 
-# Tensor maps in device memory, (specs, device index) -> (pinned host bytes, device copy). Only maps
-# made outside graph capture are cached (one made inside is written when the graph replays, so an
-# eager call could read it unwritten); every map a captured graph reads is kept for good.
-_X_MAPS: OrderedDict = OrderedDict()  # activations: the most recent _X_MAPS_KEPT
-_X_MAPS_KEPT = 64
-_W_MAPS: dict = {}  # weights: while the weight lives
-_GRAPH_MAPS: list = []
-
-
 def x_map_spec(x: torch.Tensor, box_rows: int) -> nvrtc.TensorMapSpec:
     """x [M, K] bf16 as (K * 2 bytes, M rows), boxes of one K step (128 bytes) by box_rows rows (a CTA's
     activation rows), 128B swizzle (the wgmma's K-major layout); rows past M and columns past K read as zeros."""
     return nvrtc.TensorMapSpec(address=x.data_ptr(), global_dims=(x.shape[1] * 2, x.shape[0]),
                                global_strides=(x.stride(0) * 2,), box_dims=(128, box_rows), swizzle="128B")
-
-
-def _to_device(maps: bytes, device) -> tuple:
-    """(pinned host copy, device copy): from pinned memory the copy is capturable (a graph node)."""
-    host = torch.frombuffer(bytearray(maps), dtype=torch.uint8).pin_memory()
-    return host, host.to(device, non_blocking=True)
-
-
-def _device_maps(specs: tuple, device, owner: torch.Tensor = None) -> torch.Tensor:
-    """The encoded tensor maps, back to back in device memory. A map depends only on its spec (address,
-    shape, box), so the same buffers reuse it; `owner` (a weight) bounds the entry's life, without
-    one (activations) the least recently used entries go."""
-    key = (specs, device.index)
-    cache = _X_MAPS if owner is None else _W_MAPS
-    capturing = torch.cuda.is_current_stream_capturing()
-    entry = cache.get(key)
-    if entry is None:
-        entry = _to_device(b"".join(nvrtc.encode_tensor_map(s) for s in specs), device)
-        if not capturing:
-            cache[key] = entry
-            if owner is not None:
-                weakref.finalize(owner, _W_MAPS.pop, key, None)
-            elif len(_X_MAPS) > _X_MAPS_KEPT:
-                _X_MAPS.popitem(last=False)
-    elif owner is None:
-        _X_MAPS.move_to_end(key)
-    if capturing:
-        _GRAPH_MAPS.append(entry)
-    return entry[1]
 
 
 def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int, box_groups: int = 8,
@@ -190,6 +150,13 @@ def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int, box
                                  global_strides=(scale_bytes, kt * scale_bytes),
                                  box_dims=(scale_bytes, box_steps, box_groups), swizzle="none")
     return words, scales
+
+
+def map_args(x: torch.Tensor, box_rows: int, data: torch.Tensor, scale: torch.Tensor, fmt_code: int,
+             box_groups: int, box_steps: int) -> tuple:
+    """The kernels' first three parameters, the tensor maps of x, the words and the scales, by value."""
+    specs = (x_map_spec(x, box_rows), *weight_map_specs(data, scale, fmt_code, box_groups, box_steps))
+    return tuple(nvrtc.encode_tensor_map(s) for s in specs)
 
 
 def permute_k(x: torch.Tensor, kp: int) -> torch.Tensor:
@@ -292,9 +259,7 @@ def wgmma_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int,
                                                                                     device)))
     if cfg.rs:
         x = permute_k(x, kp)
-    tmap = _device_maps((x_map_spec(x, cfg.block_m),), x.device)
-    wmaps = _device_maps(weight_map_specs(data, scale, fmt_code), x.device, owner=data)
-    args = (tmap.data_ptr(), wmaps.data_ptr(), row_mult.data_ptr(),
+    args = (*map_args(x, cfg.block_m, data, scale, fmt_code, 8, 1), row_mult.data_ptr(),
             0 if bias is None else bias.data_ptr(), y.data_ptr(),
             np.int32(m), np.int32(n), np.int32(kt), np.int32(y.stride(0)), np.int32(m_tiles),
             np.int32(n_tiles), np.int32(group_m), np.int32(-(-kt // cfg.split)))
