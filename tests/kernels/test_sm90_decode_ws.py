@@ -1,7 +1,7 @@
 """CPU CI for the TMA-ring decode kernel (kernels/sm90/decode_ws.cuh): NVRTC builds the variants the library and
 the GPU tests launch for sm_90a, the SASS holds the ring (TMA boxes, mbarriers) and one mma.sync per 16 of K and
 8 activation rows with nothing spilled, the shared-memory size the launch asks for is the source's, and the
-tiling rule (ring_config) gives what it says.
+tiling rule (ring_config, ring_wins) gives what it says.
 
 The kernel's numerics run on the H200: tests/kernels/test_sm90_gemm.py (marked gpu).
 """
@@ -83,9 +83,22 @@ def test_ring_config_never_launches_more_ctas_than_sms(seed):
         groups = D.padded_shape(n, k)[0] // 16
         if groups <= 16 * 132:
             assert -(-groups // cfg.groups) * cfg.split <= 132 and 4 <= cfg.groups <= 16 and cfg.split in D.SPLITS
-        else:  # taller than 16 row groups per SM: 16 per CTA, several waves
-            assert (cfg.groups, cfg.split) == (16, 1)
+        else:  # taller than 16 row groups per SM: several waves, and ring_wins leaves it to the Triton kernel
+            assert (cfg.groups, cfg.split) == (16, 1) and not D.ring_wins(fmt_code, 1, n, k)
         assert cfg.smem_bytes(fmt_code) <= 227 * 1024 and (D.padded_shape(n, k)[1] // 64) % cfg.steps == 0
+
+
+def test_ring_wins_where_measured():
+    wins = {(f, n, k): [m for m in (1, 2, 8, 9, 16) if D.ring_wins(FMT_CODE[f], m, n, k)]
+            for f in ("nvfp4", "mxfp8") for n, k in ((28672, 8192), (8192, 8192), (4096, 4096), (4096, 14336))}
+    assert wins[("nvfp4", 28672, 8192)] == [1, 2, 8, 9, 16]
+    assert wins[("nvfp4", 8192, 8192)] == [2, 8, 9, 16]
+    assert wins[("nvfp4", 4096, 4096)] == [9, 16]
+    assert wins[("nvfp4", 4096, 14336)] == []
+    assert all(wins[("mxfp8", n, k)] == [8, 9, 16] for n, k in ((28672, 8192), (8192, 8192), (4096, 4096)))
+    assert not D.ring_wins(FMT_CODE["nvfp4"], 17, 28672, 8192)  # M <= 16 only
+    assert not D.ring_wins(FMT_CODE["nvfp4"], 16, 512, 512)  # 4 CTAs: most SMs idle
+    assert not D.ring_wins(FMT_CODE["mxfp8"], 16, 28672, 8192, sms=2048)  # at most 896 CTAs (4 groups, split 2)
 
 
 def test_x_it_cannot_take_is_refused():

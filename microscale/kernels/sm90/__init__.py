@@ -12,7 +12,10 @@ unprepare: its inverse (layout.unshuffle_weights; bit-exact for what our quantiz
     layers need not keep both layouts.
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
-    "decode"  M <= DECODE_MAX_M, except at M = 9-32 where launch.wgmma_beats_decode: dequantize in
+    "decode_ws" bf16 activations, sm_90, M <= 16 where decode_ws.ring_wins (the weight's size, format and
+              M): a TMA producer warp streams weight stages into a shared-memory ring, one consumer warp per
+              16 rows dequantizes into mma.sync (decode_ws.py)
+    "decode"  M <= DECODE_MAX_M otherwise, except at M = 9-32 where launch.wgmma_beats_decode: dequantize in
               registers into mma.sync (decode.py)
     "wgmma"   M <= WS_MIN_M - 1 (and M = 9-32 as above), bf16 activations, sm_90: dequantize per K
               step, wgmma with A from those registers or from shared memory (wgmma.py,
@@ -22,11 +25,9 @@ gemm: picks the kernel from M and the options (docs/dispatch.md):
               producer warp, two decoding warpgroups, split-K over clusters when the tiles are few)
     "dequant" otherwise (larger M, fp16/fp32 activations, other architectures, x that TMA cannot
               read, no cuda-python): dequantize into a workspace, then cuBLAS
-  options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode", "wgmma", "wgmma_ws",
-  "dequant", "fp8", "decode_ws") overrides the choice. "decode_ws" (bf16 activations, sm_90, M <= 16; above
-  that, asking for it leaves the choice to the rule) is only taken when asked for: a TMA producer warp streams weight stages into a shared-memory ring, one
-  consumer warp per 16 rows dequantizes into mma.sync (decode_ws.py). Alone it beats "decode" by up to 18%
-  on large weights, but in a model's decode step it made the steps slower (docs/hopper.md, session 18).
+  options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode_ws", "decode", "wgmma",
+  "wgmma_ws", "dequant", "fp8") overrides the choice; "decode_ws" asked for above M = 16 leaves the choice to
+  the rule (so the variable can ask for it for a whole model, prefill included).
 """
 
 import os
@@ -56,7 +57,7 @@ FP8_MIN_M = 1024
 # shrunk against the GEMM and it is ahead on 9 of 12 (records of session 16, docs/dispatch.md)
 WS_MIN_M = 65
 WS_MAX_M = 4096
-KERNELS = ("decode", "wgmma", "wgmma_ws", "dequant", "fp8", "decode_ws")
+KERNELS = ("decode_ws", "decode", "wgmma", "wgmma_ws", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
 
 
@@ -79,10 +80,11 @@ def unprepare(prepared, fmt, shape, global_scale=None) -> QTensor:
 
 
 def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0), n: int = 8192,
-                  tma_ready: bool = True, k: int = 8192) -> str:
+                  tma_ready: bool = True, k: int = 8192, sms: int = 132) -> str:
     """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins.
     dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90, FP8 sm_89);
-    n, k: the weight's shape; tma_ready: whether wgmma_ws can take these activations (wgmma_ws.supports)."""
+    n, k: the weight's shape; tma_ready: whether the TMA kernels can take these activations
+    (wgmma_ws.supports); sms: the device's SM count (decode_ws's tiling)."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
     wgmma_ready = dtype == torch.bfloat16 and cc[0] == 9
     if forced == "decode_ws" and m > decode_ws.MAX_M:
@@ -98,6 +100,8 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
         kernel = forced
     elif options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
         kernel = "fp8"
+    elif wgmma_ready and tma_ready and decode_ws.ring_wins(FMT_CODE[fmt], m, n, k, sms):
+        kernel = "decode_ws"
     elif m <= DECODE_MAX_M and not (wgmma_ready and paths.wgmma_beats_decode(FMT_CODE[fmt], m, n, k)):
         kernel = "decode"
     elif wgmma_ready:
@@ -128,8 +132,8 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
         return x2d.new_empty(0, n)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    tma_ready = m > DECODE_MAX_M and wgmma_ws.supports(x2d)  # not asked on the decode path (per token)
-    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n, tma_ready, k)
+    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n,
+                           wgmma_ws.supports(x2d), k, paths.sm_count(paths.device_index(x2d.device)))
     run = {"decode_ws": decode_ws.decode_ws_gemm, "decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm,
            "wgmma_ws": wgmma_ws.wgmma_ws_gemm, "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
     return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)

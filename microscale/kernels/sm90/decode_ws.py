@@ -1,10 +1,9 @@
 """Host side of the TMA-ring decode GEMM for M <= 16 (decode_ws.cuh), sm_90a.
 
-Opt-in (sm90.gemm with options={"kernel": "decode_ws"}): alone it beats the Triton decode kernel on large
-weights, in a model's decode step it did not (docs/dispatch.md). The kernel is CUDA C++ compiled at run time
-by NVRTC, after wgmma_ws.cuh's source (its decode routines, TMA and barrier helpers). Tensor maps come from
-wgmma_ws's cache: x's as for wgmma_ws (boxes of one K step by block_m rows, 128B swizzle), the weight's with
-boxes of `steps` K steps by `groups` row groups.
+The dispatch takes it where ring_wins (docs/dispatch.md). The kernel is CUDA C++ compiled at run time by NVRTC,
+after wgmma_ws.cuh's source (its decode routines, TMA and barrier helpers). Its tensor maps are wgmma_ws's
+(map_args): x's boxes are one K step by block_m rows (128B swizzle), the weight's `steps` K steps by `groups`
+row groups.
 """
 
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ SOURCE_PATH = Path(__file__).with_name("decode_ws.cuh")
 ARCH = "sm_90a"
 MAX_M = 16
 SPLITS = (1, 2)  # K parts per tile (a cluster); larger clusters of one CTA per SM do not all fit at once
+MIN_FILL = 0.85  # ring_wins: ring_config's tiling must give at least this fraction of the SMs a CTA
 MAX_STAGE_BYTES = 48 * 1024
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 
@@ -73,6 +73,30 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
     if kt % 4 or cfg.stage_bytes(fmt_code) > MAX_STAGE_BYTES:
         cfg = replace(cfg, steps=2)
     return replace(cfg, stages=max(2, min(16 // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))))
+
+
+def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
+    """Whether cfg's CTAs occupy at least MIN_FILL of the SMs in one wave."""
+    ctas = -(-padded_shape(n, k)[0] // (ROW_GROUP * cfg.groups)) * cfg.split
+    return MIN_FILL * sms <= ctas <= sms
+
+
+def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
+    """Whether this kernel (ring_config's tiling) runs M <= 16 faster than the Triton decode kernel, from the
+    interleaved A/B of session 18 on 7 weights, 3 formats, M = 1-16 (sweep_h200.json run 18f; bf16 x):
+    - FP4 on weights of 8192 rows or more from M = 2 (level at M = 1 there: 8192x8192 13.9 us either way;
+      M = 8 15.3 -> 14.1), from M = 1 on 16384 rows or more (split 1: 28672x8192 37.3 -> 36.5,
+      M = 16 47.4 -> 39.9), and at M = 9-16 on weights of at most 4096x4096 elements (9.2 -> 8.3);
+    - MXFP8 from M = 8 (4096x4096 M = 8 10.1 -> 8.8; at M = 1-4 the Triton kernel, 8 programs per SM with
+      one tile in flight, is up to 8% faster on the large weights).
+    Elsewhere (FP4 6144x4096 and 4096x14336: 4-6 consumer warps per SM) the Triton kernel's finer split
+    wins by 4-21%. Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one
+    wave (fills)."""
+    if m > MAX_M or not fills(ring_config(m, n, k, fmt_code, sms), n, k, sms):
+        return False
+    if fmt_code == 2:
+        return m >= 8
+    return (n >= 8192 and (m >= 2 or n >= 16384)) or (m >= 9 and n * k <= 4096 * 4096)
 
 
 def source() -> str:
