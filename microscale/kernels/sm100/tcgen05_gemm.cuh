@@ -16,8 +16,8 @@
 //
 // Everything the host knows better is a kernel argument: the instruction descriptors and the
 // shared-memory descriptor templates (descriptors.py), the TMEM column plan (TmemPlan), and the four
-// tensor maps, which live in global memory (encoded by cuTensorMapEncodeTiled on the host) so no
-// launcher has to pass a 128-byte struct by value.
+// tensor maps (encoded by cuTensorMapEncodeTiled on the host), passed by value as __grid_constant__
+// parameters, so a captured CUDA graph holds them in its launch node.
 //
 // Self-contained for NVRTC: no includes; all tensor-core, TMA and barrier operations are inline PTX
 // (the generic ones in ../ptx_common.cuh, which nvrtc.compile_kernels puts in front).
