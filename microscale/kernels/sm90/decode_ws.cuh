@@ -10,8 +10,7 @@
 // the weights as A and x as B, as the Triton kernel does. Split-K over the CTAs of a cluster, the
 // partials summed through distributed shared memory in rank order.
 //
-// Opt-in (decode_ws.py says why the dispatch does not take it). Compiled after wgmma_ws.cuh's source, whose
-// helpers it uses.
+// The dispatch takes it where decode_ws.ring_wins. Compiled after wgmma_ws.cuh's source, whose helpers it uses.
 
 namespace ms90 {
 
