@@ -190,16 +190,14 @@ def split_for(tiles: int, kt: int, capacity: dict) -> int:
 @lru_cache(maxsize=None)
 def cluster_capacity(fmt_code: int, cfg: "WsConfig", device_index: int) -> dict:
     """split -> clusters of that many CTAs of the kernel the device holds at once: nvrtc.max_active_clusters
-    of cfg's split = 1 build, whose shared memory and registers its split variants share (where cuda.core
-    cannot say, the SM count over the split)."""
+    of cfg's split = 1 build, whose shared memory and registers its split variants share."""
     kernel = _kernel(fmt_code, cfg, device_index)
     sms = sm_count(device_index)
     capacity = {1: sms}
     for s in SPLITS[1:]:
-        fit = nvrtc.max_active_clusters(kernel, cluster=s, block=THREADS, smem_bytes=cfg.smem_bytes(fmt_code),
-                                        device_index=device_index,
-                                        stream_handle=torch.cuda.current_stream(device_index).cuda_stream)
-        capacity[s] = sms // s if fit is None else fit
+        capacity[s] = nvrtc.max_active_clusters(kernel, cluster=s, block=THREADS,
+                                                smem_bytes=cfg.smem_bytes(fmt_code), device_index=device_index,
+                                                stream_handle=torch.cuda.current_stream(device_index).cuda_stream)
     return capacity
 
 
