@@ -25,6 +25,11 @@ stay bf16, its default). Per format and batch size, in one process:
     quantized layers, which quantize_model gives one NVFP4 global scale per group; one nn.Linear for
     bf16), as inference engines run them: 4 GEMMs per layer instead of 7. The separate modules are
     removed (the weights are not held twice), so this way runs after the others of its format.
+(e) fused-pdl: (d) with programmatic dependent launches, for Inductor's kernels (TORCHINDUCTOR_ENABLE_PDL=1,
+    so a run of its own: `TORCHINDUCTOR_ENABLE_PDL=1 python3 bench/e2e.py --ways fused-pdl --merge ...`) and
+    microscale's decode kernels (MICROSCALE_PDL; (d) has both off): a kernel starts while the one before it finishes, Inductor's release the next kernel after
+    their loads, ours load their first weight tiles before they wait for x. cuBLAS (bf16, lm_head) does
+    neither. Kernels overlap, so this way's profile has no per-class split.
 
 Memory: weight bytes = parameters + buffers of the model (storages counted once; whatever is
 resident counts: on sm90 only the prepared layout, unless a layer keeps its canonical copy), and
@@ -34,6 +39,7 @@ between the E2E markers of that file (appended when absent).
 """
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -48,6 +54,7 @@ import torch.nn.functional as F
 
 from microscale import fuse_linears, quantize_model
 from microscale.models.linear import QuantizedLinear
+from microscale.kernels.sm90.launch import PDL_ENV
 from microscale.models.quantize_model import model_bytes
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -56,7 +63,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 FORMATS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
-WAYS = ("graph", "compiled-graph", "generate", "fused")
+WAYS = ("graph", "compiled-graph", "generate", "fused", "fused-pdl")
 LINEAR_KERNEL_MARKS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul", "dequant", "_mm_")
 ATTENTION_KERNEL_MARKS = ("flash", "fmha", "attention", "sdpa", "attn")
 PROFILED_REPLAYS = 20  # graph replays under the profiler for the per-class breakdown of (b)-(d)
@@ -170,6 +177,25 @@ def fuse_projections(model) -> list:
         return fused
     return [(fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")), fuse(layer.mlp, ("gate_proj", "up_proj")))
             for layer in model.model.layers]
+
+
+@contextlib.contextmanager
+def programmatic_launches(on: bool):
+    """microscale's decode kernels as programmatic dependent launches inside, or not. Inductor's kernels
+    follow TORCHINDUCTOR_ENABLE_PDL, which it reads at import (patching its config later measured no
+    change), so the process must have been started with it set for (e) and without it for (d)."""
+    if torch._inductor.config.triton.enable_pdl != on:
+        raise SystemExit(f"way {'fused-pdl' if on else 'fused'} needs TORCHINDUCTOR_ENABLE_PDL="
+                         f"{'1' if on else '0'} in the environment: run the two ways in separate processes")
+    old = os.environ.get(PDL_ENV)
+    os.environ[PDL_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[PDL_ENV]
+        else:
+            os.environ[PDL_ENV] = old
 
 
 def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_tokens: int = 8,
@@ -340,11 +366,14 @@ def run_format(config, fmt, device, batches, args) -> list:
         if "generate" in args.ways:
             row["generate"] = measure_generate(model, row["batch"], args.prompt, args.new_tokens,
                                                compile_decode=torch.device(device).type == "cuda")
-    if "fused" in args.ways:  # last: it takes the separate projections out of the model
+    fused_ways = [how for how in ("fused", "fused-pdl") if how in args.ways]
+    if fused_ways:  # last: it takes the separate projections out of the model
         fused = fuse_projections(model)
         for row in rows:
-            row["fused"] = measure_graph_decode(model, row["batch"], args.prompt, args.steps, compile_step=True,
-                                                fused=fused)
+            for how in fused_ways:
+                with programmatic_launches(how == "fused-pdl"):
+                    row[how] = measure_graph_decode(model, row["batch"], args.prompt, args.steps, compile_step=True,
+                                                    fused=fused)
         del fused
     for row in rows:
         for how in args.ways:
@@ -399,32 +428,35 @@ def markdown(results: dict) -> str:
         f"(`StaticDecoder`), {c['steps']} replays; (c) the same with the step torch.compile'd before the capture; "
         f"(d) (c) with q/k/v and gate/up each one GEMM over concatenated weights (`fuse_linears`; bf16 too), "
         f"its GPU time per class from a profile of {PROFILED_REPLAYS} replays (linear includes lm_head) and idle = step - "
-        f"kernel time; "
-        f"weights: parameters + buffers resident; peak: allocated during (b)/(c)/(d); '-': not measured.",
+        f"kernel time; (e) (d) with programmatic dependent launches (Inductor's kernels and microscale's decode "
+        f"kernels; (d) has them off; cuBLAS uses none); "
+        f"weights: parameters + buffers resident; peak: allocated during (b)-(e); '-': not measured.",
         "",
         "| format | batch | backend | weights GiB (Linears in format) | (b) graph ms/step | (b) x bf16 "
         "| (c) compiled graph ms/step | (c) tok/s | (c) x bf16 | (d) fused ms/step | (d) tok/s | (d) x bf16 "
-        "| (d) GPU ms: linear / attn / other / idle "
+        "| (d) GPU ms: linear / attn / other / idle | (e) fused + PDL ms/step | (e) tok/s | (e) x bf16 "
         "| (a) generate ms/step | (a) tok/s | (a) x bf16 | (a) GPU ms: linear / attn / other | (a) host ms "
         "| peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         g, c, d, a = r.get("graph", {}), r.get("compiled-graph", {}), r.get("fused", {}), r.get("generate", {})
+        dp = r.get("fused-pdl", {})
         per_class = lambda w, keys, digits: " / ".join(f(w.get(f"{k}_ms_per_step"), digits) for k in keys)  # noqa: E731
         gpu = per_class(a, ("linear", "attention", "other"), 2)
         fused_gpu = per_class(d, ("linear", "attention", "other", "idle"), 3)
-        peak = max((w.get("peak_gib") or 0 for w in (g, c, d)), default=0) or None
+        peak = max((w.get("peak_gib") or 0 for w in (g, c, d, dp)), default=0) or None
         lines.append(f"| {r['format']} | {r['batch']} | {r['backend']} | {f(r['weight_gib'])} "
                      f"({f(r['quantized_linear_gib'])}) "
                      f"| {f(g.get('ms_per_step'), 3)} | {f(g.get('speedup_vs_bf16'))} "
                      f"| {f(c.get('ms_per_step'), 3)} | {f(c.get('tokens_per_s'), 0)} | {f(c.get('speedup_vs_bf16'))} "
                      f"| {f(d.get('ms_per_step'), 3)} | {f(d.get('tokens_per_s'), 0)} | {f(d.get('speedup_vs_bf16'))} "
                      f"| {fused_gpu} "
+                     f"| {f(dp.get('ms_per_step'), 3)} | {f(dp.get('tokens_per_s'), 0)} | {f(dp.get('speedup_vs_bf16'))} "
                      f"| {f(a.get('ms_per_step'), 3)} | {f(a.get('tokens_per_s'), 0)} | {f(a.get('speedup_vs_bf16'))} "
                      f"| {gpu} | {f(a.get('host_ms_per_step'))} | {f(peak)} |")
     mismatched = [f"{r['format']} b{r['batch']} {how}" for r in results["rows"]
-                  for how in ("graph", "compiled-graph", "fused") if r.get(how, {}).get("tokens_equal_eager") is False]
+                  for how in ("graph", "compiled-graph", "fused", "fused-pdl") if r.get(how, {}).get("tokens_equal_eager") is False]
     if mismatched:
         lines += ["", f"Graph replay tokens differ from eager for: {', '.join(mismatched)}."]
     lines += ["", "Runs merged into this table (JSON: `bench/results/e2e_h200.json`): "
@@ -451,7 +483,8 @@ def main(argv=None):
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS,
                    help="(b) graph (eager step), (c) compiled-graph (torch.compile'd step), (a) generate, "
-                        "(d) fused (c with q/k/v and gate/up fused; runs last)")
+                        "(d) fused (c with q/k/v and gate/up fused; runs last), (e) fused-pdl (d with programmatic "
+                        "dependent launches)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens (a) / start position (b)")
     p.add_argument("--new-tokens", type=int, default=64, help="(a): tokens generated per timed call")

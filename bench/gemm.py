@@ -434,6 +434,9 @@ def merge_results(old, new):
 
 
 def main():
+    # our kernels as plain launches: back to back, a programmatic dependent launch would overlap each call
+    # with the one before it (the same kernel), which cuBLAS, timed beside them, does not get
+    os.environ["MICROSCALE_PDL"] = "0"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="results JSON to write")
     p.add_argument("--plot", help="PNG to write")

@@ -301,8 +301,11 @@ def _function(kernel, device_index: int):
 
 
 @lru_cache(maxsize=256)
-def _launch_config(grid: int, cluster: int, block: int, smem_bytes: int, stream_handle: int):
-    """A CUlaunchConfig of `grid` CTAs in clusters of `cluster` (1: no cluster attribute)."""
+def _launch_config(grid: int, cluster: int, block: int, smem_bytes: int, stream_handle: int,
+                   programmatic: bool = False):
+    """A CUlaunchConfig of `grid` CTAs in clusters of `cluster` (1: no cluster attribute); programmatic: a
+    programmatic dependent launch (the kernel may start before the one before it in the stream ends, and
+    orders itself after it with griddepcontrol.wait)."""
     from cuda.bindings import driver
 
     config = driver.CUlaunchConfig()
@@ -310,12 +313,20 @@ def _launch_config(grid: int, cluster: int, block: int, smem_bytes: int, stream_
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
     config.sharedMemBytes = smem_bytes
     config.hStream = driver.CUstream(stream_handle)
+    attrs = []
     if cluster > 1:
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
-        config.attrs = [attr]
-        config.numAttrs = 1
+        attrs.append(attr)
+    if programmatic:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if attrs:
+        config.attrs = attrs
+        config.numAttrs = len(attrs)
     return config
 
 
@@ -354,7 +365,7 @@ def max_active_clusters(kernel, *, cluster: int, block: int, smem_bytes: int, de
 
 
 def launch(kernel, *, clusters: int, cluster: int, block: int, smem_bytes: int, device_index: int,
-           stream_handle: int, args) -> None:
+           stream_handle: int, args, programmatic: bool = False) -> None:
     """Launch `clusters` clusters of `cluster` CTAs (cluster 1: plain CTAs) on a CUstream handle, args as
     pack_params takes them. What does not change between calls (the shared-memory attribute, the launch
     config) is made once: at decode sizes the host time of a launch shows."""
@@ -363,7 +374,7 @@ def launch(kernel, *, clusters: int, cluster: int, block: int, smem_bytes: int, 
 
     Device(device_index).set_current()
     _allow_smem(kernel, smem_bytes, device_index)
-    config = _launch_config(clusters * cluster, cluster, block, smem_bytes, stream_handle)
+    config = _launch_config(clusters * cluster, cluster, block, smem_bytes, stream_handle, programmatic)
     buffers, pointers = pack_params(args)
     (err,) = driver.cuLaunchKernelEx(config, _function(kernel, device_index), ctypes.addressof(pointers), 0)
     if int(err) != 0:

@@ -49,6 +49,15 @@ __device__ __forceinline__ void prefetch_tensormap(const TensorMap* tmap) {
   asm volatile("prefetch.tensormap [%0];" :: "l"(tmap) : "memory");
 }
 
+// Programmatic dependent launch (griddepcontrol). A kernel launched with it may start while the kernel before
+// it in the stream still runs: wait_prior_grid() returns once that kernel has completed and its writes are
+// visible, so nothing it writes or reads may be touched before it. release_dependents() lets the next kernel
+// launch before this one ends. Both are no-ops in a kernel launched without the attribute.
+__device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void release_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // One TMA box of a 2-D tensor map into this CTA's shared memory, completing on `bar`.
 __device__ __forceinline__ void tma_load_2d_cta(u32 dst, const TensorMap* tmap, int x, int y, u32 bar) {
   asm volatile(

@@ -224,6 +224,20 @@ def _load_w(W_base, w_off, S_base, s_off, kt, FMT: gl.constexpr):
 
 
 @gluon.jit
+def _wait_prior_grid():
+    """griddepcontrol.wait (ptx_common.cuh's wait_prior_grid; sm_90+): under a programmatic dependent launch
+    (PDL), the kernel before this one has completed and its writes are visible after it."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release_dependents():
+    """griddepcontrol.launch_dependents: the next kernel may launch before this one ends."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _mma_step(acc, w, s, x_ptr, x_k, kt, K, FMT: gl.constexpr, RG: gl.constexpr, U: gl.constexpr,
               a_layout: gl.constexpr, b_layout: gl.constexpr, FULL_K: gl.constexpr):
     """acc += dequant(W tile) @ x tile^T for K steps kt .. kt+U-1.
@@ -255,7 +269,7 @@ def decode_gemm_kernel(
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
-    FULL_K: gl.constexpr, KP: gl.constexpr,
+    FULL_K: gl.constexpr, KP: gl.constexpr, PDL: gl.constexpr = 0,
 ):
     RG: gl.constexpr = NW * R  # 16-row groups of the MMA tile: RG // KP of the weight, KP K parts each
     BN: gl.constexpr = RG * ROW_GROUP
@@ -296,6 +310,10 @@ def decode_gemm_kernel(
     tiles = ()
     for j in gl.static_range(DEPTH):
         tiles = tiles + (_load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)
+    if PDL:  # no kernel writes the weights: their first tiles load while the kernel before this one finishes
+        _wait_prior_grid()
+    if PDL == 2:
+        _release_dependents()
     acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
     for i in range(n_iter // DEPTH):
         kt = k_begin + i * (DEPTH * U)
@@ -312,6 +330,8 @@ def decode_gemm_kernel(
             acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
                             FULL_K)
 
+    if PDL == 1:
+        _release_dependents()  # the fix-up and the stores overlap the next kernel's launch
     if KP > 1:
         acc = _sum_parts(acc, NW, KP)
     _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, pid_s, n_split, HAS_BIAS, SPLIT)

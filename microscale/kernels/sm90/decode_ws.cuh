@@ -92,18 +92,35 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       prefetch_tensormap(&data_tmap);
       prefetch_tensormap(&scale_tmap);
       const u64 policy = evict_first_policy();
-      for (int i = 0; i < stages_mine; ++i) {
+      auto load_weights = [&](int i) {
         const int stage = i % STAGES, kt = kt0 + i * STEPS;
         const u32 f = full + 8 * stage, base = smem + stage * L::STAGE;
-        mbar_wait(empty + 8 * stage, ((i / STAGES) & 1) ^ 1);
         mbar_arrive_expect_tx(f, L::STAGE_TX);
-#pragma unroll
-        for (int s = 0; s < STEPS; ++s) tma_load_2d_cta(base + s * L::X_STEP, &x_tmap, (kt + s) * X_ROW_BYTES, 0, f);
         tma_load_4d_hint(base + L::X_BYTES, &data_tmap, 0, 0, kt, n_tile * RGS, f, policy);
         tma_load_3d_hint(base + L::X_BYTES + L::W_BYTES, &scale_tmap, 0, kt, n_tile * RGS, f, policy);
+      };
+      auto load_x = [&](int i) {
+        const int stage = i % STAGES, kt = kt0 + i * STEPS;
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s)
+          tma_load_2d_cta(smem + stage * L::STAGE + s * L::X_STEP, &x_tmap, (kt + s) * X_ROW_BYTES, 0, full + 8 * stage);
+      };
+      // The weights are never written by a kernel: under a programmatic dependent launch the first stages'
+      // weights stream in while the kernel before this one finishes; x is its output.
+      const int first = min(stages_mine, STAGES);
+      for (int i = 0; i < first; ++i) load_weights(i);
+      wait_prior_grid();
+      for (int i = 0; i < first; ++i) load_x(i);
+      for (int i = first; i < stages_mine; ++i) {
+        mbar_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);
+        load_weights(i);
+        load_x(i);
       }
+    } else {
+      wait_prior_grid();  // every thread waits before it reaches release_dependents below
     }
   } else {
+    wait_prior_grid();  // and the consumers store y, which the kernel before this one may still read
     const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (lane % 4) / 2;
     for (int i = 0; i < stages_mine; ++i) {
       const int stage = i % STAGES;
@@ -119,6 +136,8 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       if (lane == 0) mbar_arrive(empty + 8 * stage);
     }
   }
+
+  release_dependents();  // what is left (the split-K sum, the stores) overlaps the next kernel's launch
 
   // acc[4 j + 2 h + c]: weight row 16 warp + g + 8 h of the tile, activation row 8 j + 2 t + c
   bool mine = warp < RGS;

@@ -15,7 +15,7 @@ import torch
 
 from .. import nvrtc
 from . import wgmma_ws
-from .launch import device_index, sm_count
+from .launch import device_index, programmatic_launch, sm_count
 from .layout import K_STEP, ROW_GROUP, padded_shape
 
 SOURCE_PATH = Path(__file__).with_name("decode_ws.cuh")
@@ -151,5 +151,6 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
             np.int32(y.stride(0)), np.int32(steps))
     nvrtc.launch(_kernel(fmt_code, cfg, device), clusters=tiles, cluster=cfg.split, block=cfg.threads,
                  smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
-                 stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args)
+                 stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args,
+                 programmatic=programmatic_launch(x.device))
     return y

@@ -146,6 +146,18 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+PDL_ENV = "MICROSCALE_PDL"
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether the decode kernels go out as programmatic dependent launches (sm_90+; MICROSCALE_PDL=0 turns
+    them off): such a kernel starts while the kernel before it finishes, loads its first weight tiles and
+    waits for that kernel before it touches anything else. It gains where the kernel before it releases
+    early, as Inductor's do with torch._inductor.config.triton.enable_pdl (TORCHINDUCTOR_ENABLE_PDL=1), and
+    it releases the next kernel once its own K loop is done."""
+    return os.environ.get(PDL_ENV, "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 _TICKETS: dict = {}
 
 
@@ -194,7 +206,8 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     tickets = _tickets(x.device, tiles_n * tiles_m)
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
-                      U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth, FULL_K=k == kp, KP=cfg.parts)
+                      U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth, FULL_K=k == kp, KP=cfg.parts,
+                      PDL=int(os.environ.get("MICROSCALE_PDL", "0")) if programmatic_launch(x.device) else 0)
     # workspace (fp32), steps and split are placeholders until the split is known
     args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
@@ -206,7 +219,8 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     split = triton.cdiv(part_steps, steps)
     ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.rows_m, x.device)
     args[6], args[12], args[13] = ws, steps, split
-    kernel[(tiles_m, tiles_n, split)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps)
+    kernel[(tiles_m, tiles_n, split)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps,
+                                      launch_pdl=bool(constexprs["PDL"]))
     return y
 
 
