@@ -514,7 +514,8 @@ def main(argv=None):
             raise SystemExit(f"--merge: {args.out} was measured with another configuration: {old['config']}")
         results["rows"] = old["rows"]
         results["env"]["runs"] = old["env"].get("runs", [old["env"]["date"]])
-    command = "bench/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = (("TORCHINDUCTOR_ENABLE_PDL=1 " if torch._inductor.config.triton.enable_pdl else "") + "bench/e2e.py "
+               + " ".join(argv if argv is not None else sys.argv[1:]))
     results["env"]["runs"] = results["env"].get("runs", []) + [f"{results['env']['date'][:19]}: `{command}`"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for fmt in args.formats:

@@ -60,6 +60,24 @@ def test_decode_kernel_sass(fmt, reps, parts, tmp_path):
         assert sum(o.startswith("STS") for o in ops) == 1
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_kernel_waits_for_the_prior_grid_only_after_its_first_weight_loads(pdl, tmp_path):
+    """As a programmatic dependent launch (PDL) the kernel may run beside the kernel that writes x: the first
+    weight tiles load before griddepcontrol.wait (SASS ACQBULK), x only after it, and the next kernel is
+    released (PREEXIT) before the fix-up's and epilogue's stores. Without PDL neither instruction is there."""
+    constexprs = dict(FMT=decode.FMT_CODE["nvfp4"], HAS_BIAS=True, SPLIT=True, NW=4, R=2, U=2, BMX=8, DEPTH=2,
+                      FULL_K=True, KP=1, PDL=pdl)
+    ops = _ops(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED, tmp_path))
+    if not pdl:
+        assert "ACQBULK" not in ops and "PREEXIT" not in ops
+        return
+    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
+    wait, release = ops.index("ACQBULK"), ops.index("PREEXIT")
+    assert ops.index("LDG.E.EF.128") < wait < ops.index("LDG.E.128")  # weights, the wait, x
+    stores = [i for i, o in enumerate(ops) if o.startswith(("STG", "ATOM", "RED"))]
+    assert stores and wait < release < min(stores)
+
+
 @pytest.mark.parametrize("cc", [80, 120])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_decode_and_dequant_kernels_build_for_sm80_and_sm120(fmt, cc):

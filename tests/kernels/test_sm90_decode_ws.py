@@ -53,6 +53,21 @@ def test_sass_holds_the_ring(build, fmt, cfg):
     assert res.get("LOCAL", 0) == 0 and res["REG"] * cfg.threads <= 65536, res
 
 
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: f"split{c.split}")
+def test_sass_waits_for_the_prior_grid_after_the_first_weight_loads(build, cfg):
+    """Launched as a programmatic dependent (PDL), the kernel may run beside the kernel that writes x: the
+    producer issues the first stages' words and scales, then griddepcontrol.wait (SASS ACQBULK), then x; every
+    other thread waits too before the next kernel is released (PREEXIT), and y is stored after that."""
+    compiled, sass, _ = build
+    ops = re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass[compiled.symbols[D.name_expression(0, cfg)]])
+    waits = [i for i, o in enumerate(ops) if o == "ACQBULK"]
+    assert len(waits) == 3  # the producer thread, its warp's other lanes, the consumers
+    first_words, first_x = ops.index("UTMALDG.4D"), ops.index("UTMALDG.2D")
+    assert any(first_words < w < first_x for w in waits)
+    release = ops.index("PREEXIT")
+    assert max(waits) < release < min(i for i, o in enumerate(ops) if o.startswith("STG"))
+
+
 def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkeypatch):
     """RingConfig.smem_bytes (what the launch asks for) must equal the source's RingSmem<>::BYTES."""
     monkeypatch.setenv("MICROSCALE_CACHE_DIR", str(tmp_path))

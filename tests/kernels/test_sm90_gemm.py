@@ -13,6 +13,8 @@ of the tiles, K a multiple of the block but not of the 64/256 tile).
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from microscale.kernels.sm90.layout import padded_shape
 from microscale.quant import quantize
@@ -163,6 +165,43 @@ def test_wgmma_ws_split_parts_sum_in_rank_order(seed):
     y = W.wgmma_ws_gemm(x, *prep, b, FMT_CODE["nvfp4"], n, k, cfg)
     _check(y, y64, mag, k, torch.bfloat16)
     assert torch.equal(y, W.wgmma_ws_gemm(x, *prep, b, FMT_CODE["nvfp4"], n, k, cfg))
+
+
+@triton.jit
+def _write_late(src, dst, n, SLEEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """dst = src, written about SLEEPS microseconds after this kernel has released the next one: a
+    programmatic dependent launch after it starts at once, and finds the old dst until griddepcontrol.wait."""
+    tl.extra.cuda.gdc_launch_dependents()
+    for _ in range(SLEEPS):
+        tl.inline_asm_elementwise("nanosleep.u32 1000; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+@pytest.mark.parametrize("kernel,m,n", [("decode", 1, 1000), ("decode", 8, 4096), ("decode_ws", 4, 8192)])
+def test_programmatic_launch_reads_x_only_after_the_kernel_that_writes_it(kernel, m, n, seed, monkeypatch):
+    """As programmatic dependent launches (MICROSCALE_PDL=1) the decode kernels start beside the kernel before
+    them; here that kernel releases them at once and writes x about 20 us later over NaNs. A kernel that read
+    x (or wrote y, or the split-K workspace) before griddepcontrol.wait would give NaNs or wrong sums."""
+    from microscale.kernels.sm90 import decode_ws as D, launch as paths, prepare
+    from microscale.kernels.sm90.decode import FMT_CODE
+    monkeypatch.setenv("MICROSCALE_PDL", "1")
+    k = 2048
+    x, q, b, y64, mag = _case("nvfp4", m, n, k, torch.bfloat16, seed)
+    prep = prepare(q)
+    staged = torch.empty_like(x)
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ws = torch.empty(1 << 22, device="cuda")
+    for _ in range(3):
+        staged.fill_(float("nan"))
+        y.fill_(float("nan"))
+        ws.fill_(float("nan"))
+        _write_late[(triton.cdiv(x.numel(), 1024),)](x, staged, x.numel(), SLEEPS=20, BLOCK=1024)
+        if kernel == "decode":
+            paths.decode_gemm(staged, *prep, b, FMT_CODE["nvfp4"], n, k, out=y, workspace=ws)
+        else:
+            D.decode_ws_gemm(staged, *prep, b, FMT_CODE["nvfp4"], n, k, out=y)
+        _check(y, y64, mag, k, torch.bfloat16)
 
 
 def _graph_node_types(graph) -> list:

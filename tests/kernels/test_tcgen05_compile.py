@@ -141,6 +141,44 @@ def test_launch_arguments_follow_the_kernel_signature():
         T.kernel_args(tmap_a=bytes(128))
 
 
+@pytest.mark.parametrize("cluster,programmatic", [(1, False), (2, False), (1, True), (4, True)])
+def test_launch_config_carries_the_cluster_and_programmatic_launch_attributes(cluster, programmatic):
+    from cuda.bindings import driver
+    ids = driver.CUlaunchAttributeID
+    config = nvrtc._launch_config(8 * cluster, cluster, 128, 1024, 0, programmatic)
+    assert (config.gridDimX, config.blockDimX, config.sharedMemBytes) == (8 * cluster, 128, 1024)
+    attrs = {a.id: a.value for a in config.attrs[:config.numAttrs]} if config.numAttrs else {}
+    assert set(attrs) == ({ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION} if cluster > 1 else set()) | (
+        {ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION} if programmatic else set())
+    if cluster > 1:
+        dim = attrs[ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION].clusterDim
+        assert (dim.x, dim.y, dim.z) == (cluster, 1, 1)
+    if programmatic:
+        assert attrs[ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION].programmaticStreamSerializationAllowed == 1
+
+
+def test_decode_kernels_launch_programmatically_as_inductor_does_unless_told(monkeypatch):
+    """MICROSCALE_PDL=1/0 forces it; otherwise the decode kernels are programmatic dependent launches exactly
+    when Inductor's kernels are (torch._inductor.config.triton.enable_pdl), and only from sm_90."""
+    import torch._inductor.config as inductor
+    from microscale.kernels.sm90 import launch
+    cc = [(9, 0)]
+    monkeypatch.setattr(launch.torch.cuda, "get_device_capability", lambda device: cc[0])
+    for env, inductor_pdl, want in [(None, False, False), (None, True, True), ("0", True, False),
+                                    ("1", False, True), ("", True, True)]:
+        if env is None:
+            monkeypatch.delenv(launch.PDL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(launch.PDL_ENV, env)
+        monkeypatch.setattr(inductor.triton, "enable_pdl", inductor_pdl)
+        assert launch.programmatic_launch(None) is want, (env, inductor_pdl)
+    cc[0] = (8, 9)
+    assert launch.programmatic_launch(None) is False
+    monkeypatch.setenv(launch.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="MICROSCALE_PDL='yes'"):
+        launch.programmatic_launch(None)
+
+
 def test_pack_params_lays_out_each_argument_by_value():
     """cuLaunchKernelEx reads parameter i from pointer i: a tensor map's 128 bytes, a pointer as 8 bytes,
     numpy scalars at their own width."""

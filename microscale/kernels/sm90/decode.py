@@ -269,7 +269,7 @@ def decode_gemm_kernel(
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
-    FULL_K: gl.constexpr, KP: gl.constexpr, PDL: gl.constexpr = 0,
+    FULL_K: gl.constexpr, KP: gl.constexpr, PDL: gl.constexpr = False,
 ):
     RG: gl.constexpr = NW * R  # 16-row groups of the MMA tile: RG // KP of the weight, KP K parts each
     BN: gl.constexpr = RG * ROW_GROUP
@@ -312,8 +312,6 @@ def decode_gemm_kernel(
         tiles = tiles + (_load_w(W_base, w_off, S_base, s_off, gl.minimum(k_begin + j * U, k_last), FMT),)
     if PDL:  # no kernel writes the weights: their first tiles load while the kernel before this one finishes
         _wait_prior_grid()
-    if PDL == 2:
-        _release_dependents()
     acc = gl.zeros([BN, BMX], gl.float32, layout=mma)
     for i in range(n_iter // DEPTH):
         kt = k_begin + i * (DEPTH * U)
@@ -330,7 +328,7 @@ def decode_gemm_kernel(
             acc = _mma_step(acc, w, s, x_ptr, x_k, kt + j * U, K, FMT, RG, U, a_layout, b_layout,
                             FULL_K)
 
-    if PDL == 1:
+    if PDL:
         _release_dependents()  # the fix-up and the stores overlap the next kernel's launch
     if KP > 1:
         acc = _sum_parts(acc, NW, KP)

@@ -25,6 +25,9 @@ SPLITS = (1, 2)  # K parts per tile (a cluster); larger clusters of one CTA per 
 MIN_FILL = 0.85  # ring_wins: ring_config's tiling must give at least this fraction of the SMs a CTA
 MAX_STAGE_BYTES = 48 * 1024
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
+# Shared memory asked for under a programmatic dependent launch: two CTAs sharing an SM (the next call's,
+# started early) made back-to-back calls of 28672x8192 take 51-52 us instead of 36 (session 19, run 19c)
+ONE_CTA_PER_SM_BYTES = 116 * 1024
 
 
 @dataclass(frozen=True)
@@ -149,8 +152,11 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
     args = (*wgmma_ws.map_args(x, cfg.block_m, data, scale, fmt_code, cfg.groups, cfg.steps), row_mult.data_ptr(),
             0 if bias is None else bias.data_ptr(), y.data_ptr(), np.int32(m), np.int32(n), np.int32(kt),
             np.int32(y.stride(0)), np.int32(steps))
+    programmatic = programmatic_launch(x.device)
+    smem = cfg.smem_bytes(fmt_code)
+    if programmatic:  # more than half an SM: the next call's CTAs, launched early, never share an SM with these
+        smem = max(smem, ONE_CTA_PER_SM_BYTES)
     nvrtc.launch(_kernel(fmt_code, cfg, device), clusters=tiles, cluster=cfg.split, block=cfg.threads,
-                 smem_bytes=cfg.smem_bytes(fmt_code), device_index=device,
-                 stream_handle=torch.cuda.current_stream(x.device).cuda_stream, args=args,
-                 programmatic=programmatic_launch(x.device))
+                 smem_bytes=smem, device_index=device, stream_handle=torch.cuda.current_stream(x.device).cuda_stream,
+                 args=args, programmatic=programmatic)
     return y

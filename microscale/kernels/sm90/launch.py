@@ -15,6 +15,7 @@ All take the tensors `prepare` made (layout.shuffle_weights) and return y [M, N]
 import functools
 import math
 import os
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -150,12 +151,18 @@ PDL_ENV = "MICROSCALE_PDL"
 
 
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether the decode kernels go out as programmatic dependent launches (sm_90+; MICROSCALE_PDL=0 turns
-    them off): such a kernel starts while the kernel before it finishes, loads its first weight tiles and
-    waits for that kernel before it touches anything else. It gains where the kernel before it releases
-    early, as Inductor's do with torch._inductor.config.triton.enable_pdl (TORCHINDUCTOR_ENABLE_PDL=1), and
-    it releases the next kernel once its own K loop is done."""
-    return os.environ.get(PDL_ENV, "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether the decode kernels go out as programmatic dependent launches (PDL, sm_90+): such a kernel starts
+    while the kernel before it finishes, loads its first weight tiles, and waits for that kernel before it
+    touches anything else; it releases the next kernel once its K loop is done. It gains where the kernels
+    around it do the same, as Inductor's do with TORCHINDUCTOR_ENABLE_PDL=1 (bench/e2e.py way (e)), so it
+    follows Inductor's setting unless MICROSCALE_PDL is 1 or 0. Back to back with itself it was not measured
+    in this form (docs/hopper.md)."""
+    forced = os.environ.get(PDL_ENV)
+    if forced not in (None, "", "0", "1"):
+        raise ValueError(f"{PDL_ENV}={forced!r}: 1 (programmatic launches), 0 (plain ones) or unset (as Inductor's)")
+    inductor = sys.modules.get("torch._inductor.config")  # not imported: Inductor compiles nothing here
+    wanted = forced == "1" if forced in ("0", "1") else inductor is not None and inductor.triton.enable_pdl
+    return wanted and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 _TICKETS: dict = {}
@@ -207,7 +214,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     tickets = _tickets(x.device, tiles_n * tiles_m)
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
                       U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth, FULL_K=k == kp, KP=cfg.parts,
-                      PDL=int(os.environ.get("MICROSCALE_PDL", "0")) if programmatic_launch(x.device) else 0)
+                      PDL=programmatic_launch(x.device))
     # workspace (fp32), steps and split are placeholders until the split is known
     args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
@@ -220,7 +227,7 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     ws = _split_workspace(workspace, tiles_m * tiles_n, split, cfg.block_n * cfg.rows_m, x.device)
     args[6], args[12], args[13] = ws, steps, split
     kernel[(tiles_m, tiles_n, split)](*args, **{**constexprs, "SPLIT": split > 1}, num_warps=cfg.num_warps,
-                                      launch_pdl=bool(constexprs["PDL"]))
+                                      launch_pdl=constexprs["PDL"])
     return y
 
 
