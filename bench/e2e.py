@@ -25,11 +25,13 @@ stay bf16, its default). Per format and batch size, in one process:
     quantized layers, which quantize_model gives one NVFP4 global scale per group; one nn.Linear for
     bf16), as inference engines run them: 4 GEMMs per layer instead of 7. The separate modules are
     removed (the weights are not held twice), so this way runs after the others of its format.
-(e) fused-pdl: (d) with programmatic dependent launches, for Inductor's kernels (TORCHINDUCTOR_ENABLE_PDL=1,
-    so a run of its own: `TORCHINDUCTOR_ENABLE_PDL=1 python3 bench/e2e.py --ways fused-pdl --merge ...`) and
-    microscale's decode kernels (MICROSCALE_PDL; (d) has both off): a kernel starts while the one before it finishes, Inductor's release the next kernel after
-    their loads, ours load their first weight tiles before they wait for x. cuBLAS (bf16, lm_head) does
-    neither. Kernels overlap, so this way's profile has no per-class split.
+(e) fused-pdl: (d) with programmatic dependent launches for Inductor's kernels and microscale's decode
+    kernels ((d) has both off): a kernel starts while the one before it finishes, Inductor's release the
+    next kernel after their loads, ours load their first weight tiles before they wait for x; cuBLAS (bf16,
+    lm_head) does neither. Inductor reads TORCHINDUCTOR_ENABLE_PDL at import, so (e) is a run of its own,
+    the only way such a process runs (and its default):
+        TORCHINDUCTOR_ENABLE_PDL=1 PYTHONPATH=. python3 bench/e2e.py --merge --out bench/results/e2e_h200.json
+    Kernels overlap, so this way's profile has no per-class split.
 
 Memory: weight bytes = parameters + buffers of the model (storages counted once; whatever is
 resident counts: on sm90 only the prepared layout, unless a layer keeps its canonical copy), and
@@ -53,8 +55,8 @@ import torch
 import torch.nn.functional as F
 
 from microscale import fuse_linears, quantize_model
-from microscale.models.linear import QuantizedLinear
 from microscale.kernels.sm90.launch import PDL_ENV
+from microscale.models.linear import QuantizedLinear
 from microscale.models.quantize_model import model_bytes
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -64,6 +66,7 @@ TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_l
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 FORMATS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
 WAYS = ("graph", "compiled-graph", "generate", "fused", "fused-pdl")
+PDL_WAYS = ("fused-pdl",)  # the ways of a process started with TORCHINDUCTOR_ENABLE_PDL=1, and only those
 LINEAR_KERNEL_MARKS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul", "dequant", "_mm_")
 ATTENTION_KERNEL_MARKS = ("flash", "fmha", "attention", "sdpa", "attn")
 PROFILED_REPLAYS = 20  # graph replays under the profiler for the per-class breakdown of (b)-(d)
@@ -181,12 +184,8 @@ def fuse_projections(model) -> list:
 
 @contextlib.contextmanager
 def programmatic_launches(on: bool):
-    """microscale's decode kernels as programmatic dependent launches inside, or not. Inductor's kernels
-    follow TORCHINDUCTOR_ENABLE_PDL, which it reads at import (patching its config later measured no
-    change), so the process must have been started with it set for (e) and without it for (d)."""
-    if torch._inductor.config.triton.enable_pdl != on:
-        raise SystemExit(f"way {'fused-pdl' if on else 'fused'} needs TORCHINDUCTOR_ENABLE_PDL="
-                         f"{'1' if on else '0'} in the environment: run the two ways in separate processes")
+    """microscale's decode kernels as programmatic dependent launches inside, or not (Inductor's follow
+    TORCHINDUCTOR_ENABLE_PDL, which main checks against the ways)."""
     old = os.environ.get(PDL_ENV)
     os.environ[PDL_ENV] = "1" if on else "0"
     try:
@@ -371,7 +370,7 @@ def run_format(config, fmt, device, batches, args) -> list:
         fused = fuse_projections(model)
         for row in rows:
             for how in fused_ways:
-                with programmatic_launches(how == "fused-pdl"):
+                with programmatic_launches(how in PDL_WAYS):
                     row[how] = measure_graph_decode(model, row["batch"], args.prompt, args.steps, compile_step=True,
                                                     fused=fused)
         del fused
@@ -481,7 +480,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    p.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS,
+    inductor_pdl = torch._inductor.config.triton.enable_pdl
+    p.add_argument("--ways", nargs="+", default=[w for w in WAYS if (w in PDL_WAYS) == inductor_pdl], choices=WAYS,
                    help="(b) graph (eager step), (c) compiled-graph (torch.compile'd step), (a) generate, "
                         "(d) fused (c with q/k/v and gate/up fused; runs last), (e) fused-pdl (d with programmatic "
                         "dependent launches)")
@@ -496,6 +496,10 @@ def main(argv=None):
                    help="add to the rows of the existing --out file (a run per format or way fits a time limit)")
     p.add_argument("--markdown", default=None, help="write the results section into this file (BENCHMARKS.md)")
     args = p.parse_args(argv)
+    wrong = [w for w in args.ways if (w in PDL_WAYS) != inductor_pdl]
+    if wrong:  # Inductor reads TORCHINDUCTOR_ENABLE_PDL at import (patching its config later measured no change)
+        raise SystemExit(f"ways {wrong} need TORCHINDUCTOR_ENABLE_PDL={'0' if inductor_pdl else '1'} in the "
+                         f"environment: run {list(PDL_WAYS)} in a process of their own")
 
     if torch.device(args.device).type == "cuda":
         torch._logging.set_logs(perf_hints=True)  # e.g. why Inductor skipped CUDA graphs in (a)
@@ -514,7 +518,7 @@ def main(argv=None):
             raise SystemExit(f"--merge: {args.out} was measured with another configuration: {old['config']}")
         results["rows"] = old["rows"]
         results["env"]["runs"] = old["env"].get("runs", [old["env"]["date"]])
-    command = (("TORCHINDUCTOR_ENABLE_PDL=1 " if torch._inductor.config.triton.enable_pdl else "") + "bench/e2e.py "
+    command = (("TORCHINDUCTOR_ENABLE_PDL=1 " if inductor_pdl else "") + "bench/e2e.py "
                + " ".join(argv if argv is not None else sys.argv[1:]))
     results["env"]["runs"] = results["env"].get("runs", []) + [f"{results['env']['date'][:19]}: `{command}`"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

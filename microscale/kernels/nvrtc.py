@@ -367,8 +367,9 @@ def max_active_clusters(kernel, *, cluster: int, block: int, smem_bytes: int, de
 def launch(kernel, *, clusters: int, cluster: int, block: int, smem_bytes: int, device_index: int,
            stream_handle: int, args, programmatic: bool = False) -> None:
     """Launch `clusters` clusters of `cluster` CTAs (cluster 1: plain CTAs) on a CUstream handle, args as
-    pack_params takes them. What does not change between calls (the shared-memory attribute, the launch
-    config) is made once: at decode sizes the host time of a launch shows."""
+    pack_params takes them; programmatic: a programmatic dependent launch (_launch_config). What does not
+    change between calls (the shared-memory attribute, the launch config) is made once: at decode sizes the
+    host time of a launch shows."""
     from cuda.bindings import driver
     from cuda.core import Device
 

@@ -133,17 +133,19 @@ def test_driver_runs_the_fused_way_last(e2e, tmp_path):
 
 def test_pdl_way_runs_only_where_inductor_launches_programmatically(e2e, tmp_path, monkeypatch):
     """(e) fused-pdl needs Inductor's kernels compiled for programmatic launches (TORCHINDUCTOR_ENABLE_PDL=1 at
-    import), (d) fused needs them not: each refuses the other setting; microscale's switch is set inside
-    the way only."""
+    import), the other ways need them not: each process runs its own ways (by default) and refuses the others;
+    microscale's switch is set inside the way only."""
     import torch._inductor.config as inductor
-    args = ["--tiny", "--device", "cpu", "--steps", "2", "--out", str(tmp_path / "e2e.json"), "--formats", "nvfp4",
-            "--batches", "1"]
+    args = ["--tiny", "--device", "cpu", "--steps", "2", "--new-tokens", "2", "--out", str(tmp_path / "e2e.json"),
+            "--formats", "nvfp4", "--batches", "1"]
     monkeypatch.delenv("MICROSCALE_PDL", raising=False)
     monkeypatch.setattr(inductor.triton, "enable_pdl", False)
-    with pytest.raises(SystemExit, match="fused-pdl needs TORCHINDUCTOR_ENABLE_PDL=1"):
-        e2e.main(args + ["--ways", "fused-pdl"])
+    with pytest.raises(SystemExit, match=r"ways \['fused-pdl'\] need TORCHINDUCTOR_ENABLE_PDL=1"):
+        e2e.main(args + ["--ways", "fused", "fused-pdl"])
     monkeypatch.setattr(inductor.triton, "enable_pdl", True)
-    with pytest.raises(SystemExit, match="way fused needs TORCHINDUCTOR_ENABLE_PDL=0"):
-        e2e.main(args + ["--ways", "fused"])
-    row = e2e.main(args + ["--ways", "fused-pdl"])["rows"][0]
-    assert row["fused-pdl"]["ms_per_step"] > 0 and "MICROSCALE_PDL" not in os.environ
+    with pytest.raises(SystemExit, match=r"ways \['graph', 'fused'\] need TORCHINDUCTOR_ENABLE_PDL=0"):
+        e2e.main(args + ["--ways", "graph", "fused"])
+    results = e2e.main(args)
+    assert list(results["rows"][0]) == [k for k in results["rows"][0] if k not in e2e.WAYS] + ["fused-pdl"]
+    assert results["rows"][0]["fused-pdl"]["ms_per_step"] > 0 and "MICROSCALE_PDL" not in os.environ
+    assert results["env"]["runs"][-1].split("`")[1].startswith("TORCHINDUCTOR_ENABLE_PDL=1 bench/e2e.py --tiny")
