@@ -170,8 +170,8 @@ def test_decode_kernels_launch_programmatically_as_inductor_does_unless_told(mon
             monkeypatch.delenv(launch.PDL_ENV, raising=False)
         else:
             monkeypatch.setenv(launch.PDL_ENV, env)
-        monkeypatch.setattr(inductor.triton, "enable_pdl", inductor_pdl)
-        assert launch.programmatic_launch(None) is want, (env, inductor_pdl)
+        with inductor.patch({"triton.enable_pdl": inductor_pdl}):  # (monkeypatch's undo would delete the entry)
+            assert launch.programmatic_launch(None) is want, (env, inductor_pdl)
     cc[0] = (8, 9)
     assert launch.programmatic_launch(None) is False
     monkeypatch.setenv(launch.PDL_ENV, "yes")

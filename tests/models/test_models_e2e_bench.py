@@ -139,13 +139,13 @@ def test_pdl_way_runs_only_where_inductor_launches_programmatically(e2e, tmp_pat
     args = ["--tiny", "--device", "cpu", "--steps", "2", "--new-tokens", "2", "--out", str(tmp_path / "e2e.json"),
             "--formats", "nvfp4", "--batches", "1"]
     monkeypatch.delenv("MICROSCALE_PDL", raising=False)
-    monkeypatch.setattr(inductor.triton, "enable_pdl", False)
-    with pytest.raises(SystemExit, match=r"ways \['fused-pdl'\] need TORCHINDUCTOR_ENABLE_PDL=1"):
-        e2e.main(args + ["--ways", "fused", "fused-pdl"])
-    monkeypatch.setattr(inductor.triton, "enable_pdl", True)
-    with pytest.raises(SystemExit, match=r"ways \['graph', 'fused'\] need TORCHINDUCTOR_ENABLE_PDL=0"):
-        e2e.main(args + ["--ways", "graph", "fused"])
-    results = e2e.main(args)
+    with inductor.patch({"triton.enable_pdl": False}):  # (monkeypatch's undo would delete the config entry)
+        with pytest.raises(SystemExit, match=r"ways \['fused-pdl'\] need TORCHINDUCTOR_ENABLE_PDL=1"):
+            e2e.main(args + ["--ways", "fused", "fused-pdl"])
+    with inductor.patch({"triton.enable_pdl": True}):
+        with pytest.raises(SystemExit, match=r"ways \['graph', 'fused'\] need TORCHINDUCTOR_ENABLE_PDL=0"):
+            e2e.main(args + ["--ways", "graph", "fused"])
+        results = e2e.main(args)
     assert list(results["rows"][0]) == [k for k in results["rows"][0] if k not in e2e.WAYS] + ["fused-pdl"]
     assert results["rows"][0]["fused-pdl"]["ms_per_step"] > 0 and "MICROSCALE_PDL" not in os.environ
     assert results["env"]["runs"][-1].split("`")[1].startswith("TORCHINDUCTOR_ENABLE_PDL=1 bench/e2e.py --tiny")
