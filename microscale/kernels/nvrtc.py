@@ -159,6 +159,11 @@ def disassemble(cubin: bytes) -> dict:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
+def sass_opcodes(sass: str) -> list:
+    """The opcode of each instruction of cuobjdump SASS text, in program order (predicates dropped)."""
+    return re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
+
+
 def resource_usage(cubin: bytes) -> dict:
     """cuobjdump -res-usage per mangled kernel: REG, STACK, SHARED, LOCAL, ... as ints."""
     out, current = {}, None

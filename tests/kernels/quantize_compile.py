@@ -1,7 +1,6 @@
 """The quantize kernels compiled ahead of time on the CPU for a chosen GPU (shared by the SASS tests)."""
 
 import os
-import re
 import subprocess
 
 import triton
@@ -9,7 +8,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from microscale.formats import get_format
-from microscale.kernels import quantize as qk
+from microscale.kernels import nvrtc, quantize as qk
 
 QUANTIZE_ALIGNED = (0, 1, 2, 3, 4, 6, 8)  # pointers and stride_xm: 16-byte aligned, as quantize_gpu's are
 
@@ -43,7 +42,7 @@ def sass_instructions(compiled, tmp_path) -> list:
     cubin.write_bytes(compiled.asm["cubin"])
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ops = re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
+    ops = nvrtc.sass_opcodes(sass)
     assert not any(o.startswith(("LDL", "STL")) for o in ops), f"{compiled.name}: local memory (spills)"
     return ops
 

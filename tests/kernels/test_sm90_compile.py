@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+from microscale.kernels.nvrtc import sass_opcodes  # noqa: E402
 from microscale.kernels.sm90 import decode  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -40,16 +41,12 @@ def _sass(kernel, signature, constexprs, aligned, tmp_path, num_warps=4):
     return subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
 
 
-def _ops(sass):
-    return re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
-
-
 @pytest.mark.parametrize("reps,parts", [(1, 1), (2, 2)])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_decode_kernel_sass(fmt, reps, parts, tmp_path):
     constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=reps, U=2, BMX=8, DEPTH=2,
                       FULL_K=False, KP=parts)
-    ops = _ops(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED,
+    ops = sass_opcodes(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED,
                      tmp_path))
     assert "LDG.E.EF.128" in ops and "LDG.E.128" in ops  # 16-byte loads: weights (evict-first) and activations
     assert any(o.startswith("HMMA.16816.F32.BF16") for o in ops)
@@ -67,7 +64,7 @@ def test_decode_kernel_waits_for_the_prior_grid_only_after_its_first_weight_load
     released (PREEXIT) before the fix-up's and epilogue's stores. Without PDL neither instruction is there."""
     constexprs = dict(FMT=decode.FMT_CODE["nvfp4"], HAS_BIAS=True, SPLIT=True, NW=4, R=2, U=2, BMX=8, DEPTH=2,
                       FULL_K=True, KP=1, PDL=pdl)
-    ops = _ops(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED, tmp_path))
+    ops = sass_opcodes(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED, tmp_path))
     if not pdl:
         assert "ACQBULK" not in ops and "PREEXIT" not in ops
         return
@@ -101,7 +98,7 @@ def test_dequant_kernel_sass(to_fp8, tmp_path):
     signature = {"W": "*u8", "S": "*u8", "ROW_MULT": "*fp32", "OUT": "*fp8e4nv" if to_fp8 else "*bf16",
                  "INEXACT": "*i32", "KT": "i32", "ld_out": "i32", "factor": "fp32"}
     constexprs = dict(FMT=1, TO_FP8=to_fp8, NW=4, R=1, U=2)
-    ops = _ops(_sass(decode.dequant_kernel, signature, constexprs, (0, 1, 2, 3, 4, 6), tmp_path))
+    ops = sass_opcodes(_sass(decode.dequant_kernel, signature, constexprs, (0, 1, 2, 3, 4, 6), tmp_path))
     assert any(o.startswith("LDG.E.EF.128") for o in ops) and "STG.E.128" in ops  # evict-first weight loads
     assert not any(o.startswith(("LDL", "STL")) for o in ops)
 
@@ -113,7 +110,7 @@ def test_wgmma_kernel_sass(fmt, nw, bm, reps, rs, tmp_path):
     from microscale.kernels.sm90 import wgmma
     constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=nw, BM=bm, DEPTH=3, R=reps, RS=rs)
     sass = _sass(wgmma.wgmma_gemm_kernel, DECODE_SIGNATURE, constexprs, DECODE_ALIGNED, tmp_path, num_warps=nw)
-    ops = _ops(sass)
+    ops = sass_opcodes(sass)
     # wgmma m64 x bm x k16; A from registers (rs) or, like B, from shared memory
     a_operand = "R" if rs else "gdesc"
     assert re.search(rf"HGMMA\.64x{bm}x16\.F32\.BF16 R\d+, {a_operand}", sass)

@@ -59,7 +59,7 @@ def test_sass_waits_for_the_prior_grid_after_the_first_weight_loads(build, cfg):
     producer issues the first stages' words and scales, then griddepcontrol.wait (SASS ACQBULK), then x; every
     other thread waits too before the next kernel is released (PREEXIT), and y is stored after that."""
     compiled, sass, _ = build
-    ops = re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass[compiled.symbols[D.name_expression(0, cfg)]])
+    ops = nvrtc.sass_opcodes(sass[compiled.symbols[D.name_expression(0, cfg)]])
     waits = [i for i, o in enumerate(ops) if o == "ACQBULK"]
     assert len(waits) == 3  # the producer thread, its warp's other lanes, the consumers
     first_words, first_x = ops.index("UTMALDG.4D"), ops.index("UTMALDG.2D")
