@@ -21,9 +21,11 @@ stay bf16, its default). Per format and batch size, in one process:
     the 4.2 ms of GEMMs in the profile of (a)), which pulls every format's speed-up toward 1.
 (c) compiled-graph: (b) with the step torch.compile'd (fullgraph) before the capture, so the work
     between the GEMMs becomes a few fused kernels.
-(d) fused: (c) with q/k/v and gate/up each one GEMM (weights concatenated along N: fuse_linears for
-    quantized layers, which quantize_model gives one NVFP4 global scale per group; one nn.Linear for
-    bf16), as inference engines run them: 4 GEMMs per layer instead of 7. The separate modules are
+(d) fused: (c) with q/k/v and gate/up each one GEMM, as inference engines run them: 4 GEMMs per layer
+    instead of 7. Quantized layers: fuse_linears for q/k/v and fuse_gated for gate/up, whose GEMM returns
+    silu(gate) * up (the decode kernels apply it in their epilogue: no kernel of its own; since session 21);
+    quantize_model gives each group one NVFP4 global scale. bf16: one nn.Linear over the concatenated
+    weights, then SiLU and the product (Inductor fuses them into one kernel). The separate modules are
     removed (the weights are not held twice), so this way runs after the others of its format.
 (e) fused-pdl: (d) with programmatic dependent launches for Inductor's kernels and microscale's decode
     kernels ((d) has both off): a kernel starts while the one before it finishes, Inductor's release the
@@ -54,7 +56,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from microscale import fuse_linears, quantize_model
+from microscale import fuse_gated, fuse_linears, quantize_model
 from microscale.kernels.sm90.launch import PDL_ENV
 from microscale.models.linear import QuantizedLinear
 from microscale.models.quantize_model import model_bytes
@@ -103,7 +105,7 @@ class StaticDecoder:
     def __init__(self, model, batch: int, cache_len: int, fused=None):
         cfg = model.config
         self.model = model
-        self.fused = fused  # per layer (qkv, gate_up) from fuse_projections, or None: the model's own modules
+        self.fused = fused  # per layer (qkv, gated) from fuse_projections, or None: the model's own modules
         device = model.model.embed_tokens.weight.device
         dtype = model.model.embed_tokens.weight.dtype
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -138,7 +140,7 @@ class StaticDecoder:
             a = layer.self_attn
             x = layer.input_layernorm(h)
             if self.fused:
-                qkv, gate_up = self.fused[i]
+                qkv, gated = self.fused[i]
                 q, k, v = qkv(x).split([self.q_size, self.kv_size, self.kv_size], -1)
             else:
                 q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
@@ -150,8 +152,7 @@ class StaticDecoder:
             h = h + a.o_proj(o.transpose(1, 2).reshape(batch, 1, -1))
             x = layer.post_attention_layernorm(h)
             if self.fused:
-                gate, up = gate_up(x).chunk(2, -1)
-                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+                h = h + layer.mlp.down_proj(gated(x))
             else:
                 h = h + layer.mlp(x)
         logits = self.model.lm_head(m.norm(h))[:, -1]
@@ -161,24 +162,38 @@ class StaticDecoder:
         return logits
 
 
+class SiluGateUp(torch.nn.Module):
+    """bf16 gate/up as one GEMM over the concatenated weights: silu(gate) * up of its output halves."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        gate, up = self.linear(x).chunk(2, -1)
+        return F.silu(gate) * up
+
+
 def fuse_projections(model) -> list:
-    """Per decoder layer, (qkv, gate_up): q/k/v and gate/up each as one module over the concatenated
-    weights (fuse_linears for quantized layers, one nn.Linear for bf16 ones). The separate modules are
-    deleted from the layers, so the weights are held once; the model's own forward no longer runs."""
-    def fuse(parent, names):
+    """Per decoder layer, (qkv, gated): q/k/v as one module over the concatenated weights, and a module
+    giving silu(gate(x)) * up(x) from one GEMM (fuse_linears and fuse_gated for quantized layers; one
+    nn.Linear, and SiluGateUp, for bf16 ones). The separate modules are deleted from the layers, so the
+    weights are held once; the model's own forward no longer runs."""
+    def fuse(parent, names, gated=False):
         parts = [getattr(parent, n) for n in names]
         if isinstance(parts[0], QuantizedLinear):
-            fused = fuse_linears(parts)
+            fused = fuse_gated(*parts) if gated else fuse_linears(parts)
         elif any(m.bias is not None for m in parts):
             raise ValueError(f"fuse_projections: {names} have a bias (not in Llama; not handled here)")
         else:
             w = torch.cat([m.weight.detach() for m in parts])
             fused = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
             fused.weight = torch.nn.Parameter(w, requires_grad=False)
+            fused = SiluGateUp(fused) if gated else fused
         for n in names:
             delattr(parent, n)
         return fused
-    return [(fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")), fuse(layer.mlp, ("gate_proj", "up_proj")))
+    return [(fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")), fuse(layer.mlp, ("gate_proj", "up_proj"), True))
             for layer in model.model.layers]
 
 

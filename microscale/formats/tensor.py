@@ -139,6 +139,20 @@ class QTensor:
                        fmt=first.fmt, shape=(sum(t.shape[0] for t in tensors), first.shape[1]),
                        global_scale=first.global_scale, orig_dtype=first.orig_dtype)
 
+    def take_rows(self, index: torch.Tensor) -> "QTensor":
+        """The rows `index` (a 1-D integer tensor) in that order, linear scale layout: the same codes and block
+        scales per row, and the same global scale."""
+        index = torch.as_tensor(index, device=self.data.device)
+        if index.dim() != 1 or index.dtype.is_floating_point:
+            raise ValueError(f"QTensor.take_rows: index must be a 1-D integer tensor, got {index.dtype} of shape "
+                             f"{tuple(index.shape)}")
+
+        def take(t):  # through bytes: float8 tensors are indexed as their bits
+            return t.view(torch.uint8)[index].view(t.dtype)
+        return QTensor(data=take(self.data), scale=take(self.linear_scale()), fmt=self.fmt,
+                       shape=(index.numel(), self.shape[1]), global_scale=self.global_scale,
+                       orig_dtype=self.orig_dtype)
+
     @property
     def nbytes(self) -> int:
         """Bytes of data plus block scales as stored (swizzle padding included)."""

@@ -21,6 +21,11 @@ Hadamard matrix and rotates x itself. Emulated low-precision activations on CUDA
 the activation format's block are rotated inside the activation quantize kernel (quantize_gpu's
 `rotation`: x R never goes to memory); elsewhere (CPU, NVFP4 with b = 32, float activations,
 native low-precision backends) x R is a torch op before the quantizer or the GEMM.
+
+Gated pairs (`epilogue="silu_mul"`, kernels/gated.py): the weight holds gate and up rows interleaved and
+the op returns silu(gate) * up, [M, N / 2]. A backend that lists "epilogue" in its options gets it (the
+sm90 decode kernels apply it in their epilogue); for the others the op finishes their output with
+gated.silu_mul.
 """
 
 from typing import Optional
@@ -29,6 +34,7 @@ import torch
 
 from ..formats.spec import get_format
 from ..quant import hadamard, quantize
+from . import gated
 from .dispatch import Backend, get_backend, select_backend
 
 
@@ -74,12 +80,15 @@ def linear(
     activations: Optional[str],
     input_global_scale: Optional[torch.Tensor] = None,
     rotation: Optional[torch.Tensor] = None,
+    epilogue: Optional[str] = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequant(W).T (+ bias) with W as prepared by `backend`; the activations
     quantized to `activations` (if given), NVFP4 with the static `input_global_scale` (if given);
-    x R instead of x with `rotation` = hadamard_matrix(b) (module docstring)."""
+    x R instead of x with `rotation` = hadamard_matrix(b); with `epilogue` the gated pairs of y,
+    [M, N / 2] (module docstring)."""
     b = get_backend(backend)
     options = {}
+    gated.check_epilogue(epilogue)
     if activations is not None:
         static_ok = input_global_scale is None or "input_global_scale" in b.options
         if "activations" in b.options and activations == fmt and static_ok:
@@ -91,13 +100,16 @@ def linear(
             rotation = None  # x R is what was quantized
     if rotation is not None:
         x = hadamard.rotate(x, rotation.shape[0], rotation)
-    return b.gemm(x, data, scale, global_scale, bias, fmt=fmt, n=n, k=k, options=options)
+    if epilogue is not None and "epilogue" in b.options:
+        options["epilogue"], epilogue = epilogue, None  # the backend applies it
+    y = b.gemm(x, data, scale, global_scale, bias, fmt=fmt, n=n, k=k, options=options)
+    return y if epilogue is None else gated.silu_mul(y)
 
 
 @linear.register_fake
 def _linear_fake(x, data, scale, global_scale, bias, fmt, n, k, backend, activations, input_global_scale=None,
-                 rotation=None):
-    return x.new_empty((x.shape[0], n))
+                 rotation=None, epilogue=None):
+    return x.new_empty((x.shape[0], gated.output_features(n, epilogue)))
 
 
 def check_activations(activations: Optional[str]) -> Optional[str]:

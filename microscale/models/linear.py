@@ -28,6 +28,10 @@ with a torch op before the quantizer or the GEMM.
 
 forward() is one call of the `microscale::linear` custom op (kernels/ops.py) on plain tensors,
 so torch.compile(fullgraph=True) and CUDA graph capture see no Python objects.
+
+Fused layers (inference only, like the projections engines fuse): fuse_linears gives one layer for q/k/v
+(outputs concatenated), fuse_gated one for an MLP's gate and up projections that returns silu(gate) * up,
+its weight rows interleaved in pairs (kernels/gated.py; `epilogue` = "silu_mul"). Save the unfused model.
 """
 
 from typing import Optional
@@ -37,7 +41,7 @@ from torch import nn
 
 from ..formats.spec import FormatSpec, get_format
 from ..formats.tensor import QTensor, padded_k
-from ..kernels import ops
+from ..kernels import gated, ops
 from ..kernels.dispatch import get_backend
 from ..quant import hadamard, quantize
 
@@ -67,7 +71,7 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, fmt: Optional[str] = None,
                  activations: Optional[str] = None, backend: Optional[str] = None, device=None,
-                 dtype: Optional[torch.dtype] = None, rotation: Optional[int] = None):
+                 dtype: Optional[torch.dtype] = None, rotation: Optional[int] = None, epilogue: Optional[str] = None):
         super().__init__()
         spec = get_format(fmt or self.default_format)
         if spec.elem_bits != self.elem_bits:
@@ -80,6 +84,10 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"{type(self).__name__}: rotation={rotation!r} needs a block size in "
                              f"{hadamard.ROTATION_BLOCKS} that divides in_features={self.in_features}")
         self.rotation = rotation
+        if gated.check_epilogue(epilogue) and self.out_features % (2 * gated.PAIR_ROWS):
+            raise ValueError(f"{type(self).__name__}: epilogue={epilogue!r} needs gate/up row pairs, out_features a "
+                             f"multiple of {2 * gated.PAIR_ROWS}, not {self.out_features}")
+        self.epilogue = epilogue
         self.backend_override = backend
         self.backend = None  # name of the backend the prepared tensors are for; set by prepare()
 
@@ -103,16 +111,17 @@ class QuantizedLinear(nn.Module):
     def from_qtensor(cls, weight: QTensor, bias: Optional[torch.Tensor] = None, *,
                      activations: Optional[str] = None, backend: Optional[str] = None,
                      input_global_scale: Optional[torch.Tensor] = None,
-                     rotation: Optional[int] = None) -> "QuantizedLinear":
+                     rotation: Optional[int] = None, epilogue: Optional[str] = None) -> "QuantizedLinear":
         """A layer holding `weight` (any scale layout; stored linear) and `bias` (kept as given), with a
         static input global scale if one is given (see set_input_global_scale). rotation: the block
-        of the Hadamard rotation `weight` was quantized under (it holds W R), or None."""
+        of the Hadamard rotation `weight` was quantized under (it holds W R), or None. epilogue: "silu_mul"
+        for a weight of gate/up row pairs (fuse_gated)."""
         out_features, in_features = weight.shape
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"{cls.__name__}.from_qtensor: bias of shape {tuple(bias.shape)} does not match "
                              f"out_features={out_features}")
         layer = cls(in_features, out_features, bias is not None, fmt=weight.fmt, activations=activations,
-                    backend=backend, device="meta", rotation=rotation)
+                    backend=backend, device="meta", rotation=rotation, epilogue=epilogue)
         w = weight.with_scale_layout("linear")
         layer.weight_data, layer.weight_scale, layer.weight_global_scale = w.data, w.scale, w.global_scale
         if bias is not None:
@@ -256,8 +265,8 @@ class QuantizedLinear(nn.Module):
         y = torch.ops.microscale.linear(
             x.reshape(-1, self.in_features), self.prepared_data, self.prepared_scale, self.prepared_global_scale,
             self.bias, self.fmt.name, self.out_features, self.in_features, self.backend, self.activations,
-            self.input_global_scale, self.prepared_rotation)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            self.input_global_scale, self.prepared_rotation, self.epilogue)
+        return y.reshape(*x.shape[:-1], gated.output_features(self.out_features, self.epilogue))
 
     def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
         """The activations the quantized weight multiplies: x R for a rotated layer, else x (in torch
@@ -270,7 +279,8 @@ class QuantizedLinear(nn.Module):
         return (f"in_features={self.in_features}{padded}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, fmt={self.fmt.name}, activations={self.activations}"
                 f"{' (static input scale)' if self.input_global_scale is not None else ''}, backend={self.backend}"
-                f"{'' if self.rotation is None else f', rotation=block_hadamard({self.rotation})'}")
+                f"{'' if self.rotation is None else f', rotation=block_hadamard({self.rotation})'}"
+                f"{'' if self.epilogue is None else f', epilogue={self.epilogue} (gate/up row pairs)'}")
 
 
 class FP4Linear(QuantizedLinear):
@@ -301,26 +311,59 @@ def fuse_linears(layers) -> QuantizedLinear:
     a missing bias becomes zeros. The layers must share their class, format, in_features,
     activations, rotation, NVFP4 global scale (quantize_model gives fused projections one) and
     static input scale. Outputs equal the separate layers' up to the order of float summation."""
+    layers = _fusable(layers, "fuse_linears")
+    return _fused_layer(layers[0], *_concat_weights(layers))
+
+
+def fuse_gated(gate: QuantizedLinear, up: QuantizedLinear) -> QuantizedLinear:
+    """One quantized layer for an MLP's gate and up projections: fused(x) = silu(gate(x)) * up(x), as
+    Llama-style MLPs compute before their down projection, in one GEMM whose epilogue applies SiLU and the
+    product where the kernel can (kernels/gated.py; elsewhere after the GEMM). The weight rows are the two
+    layers' interleaved in pairs of PAIR_ROWS; the requirements are fuse_linears', plus equal out_features, a
+    multiple of PAIR_ROWS. Outputs equal silu(gate(x)) * up(x) up to float rounding (the fused kernels do
+    not round gate(x) and up(x) to x's dtype first)."""
+    layers = _fusable([gate, up], "fuse_gated")
+    if gate.out_features != up.out_features:
+        raise ValueError(f"fuse_gated: gate has out_features={gate.out_features}, up {up.out_features}")
+    weight, bias = _concat_weights(layers)
+    index = gated.interleave_index(gate.out_features, weight.data.device)
+    return _fused_layer(gate, weight.take_rows(index), None if bias is None else bias[index], epilogue="silu_mul")
+
+
+def _fusable(layers, who: str) -> list:
+    """The layers as a list, if they can be one layer: same class, in_features, activations, rotation,
+    backend and static input scale (the NVFP4 global scale is QTensor.concat_rows' to check)."""
     layers = list(layers)
     if not layers or not all(isinstance(m, QuantizedLinear) for m in layers):
-        raise TypeError(f"fuse_linears: expected quantized layers, got {[type(m).__name__ for m in layers]}")
+        raise TypeError(f"{who}: expected quantized layers, got {[type(m).__name__ for m in layers]}")
+    if any(m.epilogue is not None for m in layers):
+        raise ValueError(f"{who}: a layer of gate/up pairs (fuse_gated's) cannot be fused again")
     first = layers[0]
     for i, m in enumerate(layers[1:], 1):
         for what in ("activations", "rotation", "backend_override"):
             if getattr(m, what) != getattr(first, what):
-                raise ValueError(f"fuse_linears: layer {i} has {what}={getattr(m, what)!r}, layer 0 "
-                                 f"{getattr(first, what)!r}")
+                raise ValueError(f"{who}: layer {i} has {what}={getattr(m, what)!r}, layer 0 {getattr(first, what)!r}")
         if type(m) is not type(first) or m.in_features != first.in_features:
-            raise ValueError(f"fuse_linears: layer {i} is a {type(m).__name__} with in_features={m.in_features}, "
+            raise ValueError(f"{who}: layer {i} is a {type(m).__name__} with in_features={m.in_features}, "
                              f"layer 0 a {type(first).__name__} with {first.in_features}")
         a, b = m.input_global_scale, first.input_global_scale
         if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
-            raise ValueError(f"fuse_linears: layer {i} has input_global_scale {a}, layer 0 {b}")
+            raise ValueError(f"{who}: layer {i} has input_global_scale {a}, layer 0 {b}")
+    return layers
+
+
+def _concat_weights(layers) -> tuple:
+    """(weight, bias) of the layers concatenated along out_features; a missing bias becomes zeros."""
     weight = QTensor.concat_rows(m.qweight for m in layers)
     bias = None
     if any(m.bias is not None for m in layers):
         dtype = next(m.bias.dtype for m in layers if m.bias is not None)
         bias = torch.cat([m.bias.to(dtype) if m.bias is not None else
                           torch.zeros(m.out_features, dtype=dtype, device=weight.data.device) for m in layers])
+    return weight, bias
+
+
+def _fused_layer(first: QuantizedLinear, weight: QTensor, bias, epilogue=None) -> QuantizedLinear:
     return type(first).from_qtensor(weight, bias, activations=first.activations, backend=first.backend_override,
-                                    input_global_scale=first.input_global_scale, rotation=first.rotation)
+                                    input_global_scale=first.input_global_scale, rotation=first.rotation,
+                                    epilogue=epilogue)

@@ -122,8 +122,13 @@ def save_quantized(model: nn.Module, out_dir, *, tokenizer=None, max_shard_size=
     config, if any, with quantization_config) + tokenizer/generation files; atomic (an earlier
     checkpoint at out_dir survives a crash mid-save). Returns out_dir.
     """
-    if not _quantized_layers(model):
+    layers = _quantized_layers(model)
+    if not layers:
         raise ValueError("save_quantized: the model has no FP4Linear/FP8Linear layers (run quantize_model first)")
+    fused = [name for name, m in layers.items() if m.epilogue is not None]
+    if fused:  # their rows are interleaved gate/up pairs, which no checkpoint format describes
+        raise ValueError(f"save_quantized: {fused[0]} is a fused gate/up layer (fuse_gated); save the model "
+                         f"before fusing")
     config = _config_dict(model)
     config["quantization_config"] = quantization_config(model)
     files = {"config.json": json.dumps(config, indent=2, sort_keys=True)}

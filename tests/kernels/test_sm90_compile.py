@@ -75,6 +75,21 @@ def test_decode_kernel_waits_for_the_prior_grid_only_after_its_first_weight_load
     assert stores and wait < release < min(stores)
 
 
+@pytest.mark.parametrize("fmt,reps,parts", [("nvfp4", 1, 1), ("mxfp4", 2, 2), ("mxfp8", 1, 1)])
+def test_decode_kernel_gated_epilogue_pairs_rows_in_registers(fmt, reps, parts, tmp_path):
+    """GATED (gate/up row pairs, kernels/gated.py): the pair of a thread's accumulator rows g and g + 8 becomes one
+    silu(gate) * up; up to 8 activation columns (launch.decode_takes_gated) that needs no shared memory beyond
+    the ticket's broadcast, and the K loop is the plain kernel's (same MMAs)."""
+    constexprs = dict(FMT=decode.FMT_CODE[fmt], HAS_BIAS=True, SPLIT=True, NW=4, R=reps, U=2, BMX=8, DEPTH=2,
+                      FULL_K=False, KP=parts)
+    plain, gated = (sass_opcodes(_sass(decode.decode_gemm_kernel, DECODE_SIGNATURE, {**constexprs, "GATED": g},
+                                       DECODE_ALIGNED, tmp_path)) for g in (False, True))
+    assert "MUFU.EX2" in gated and "MUFU.EX2" not in plain
+    assert sum(o.startswith("STS") for o in gated) == 1
+    assert sum(o.startswith("HMMA") for o in gated) == sum(o.startswith("HMMA") for o in plain)
+    assert not any(o.startswith(("LDL", "STL")) for o in gated), "local memory (spills)"
+
+
 @pytest.mark.parametrize("cc", [80, 120])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
 def test_decode_and_dequant_kernels_build_for_sm80_and_sm120(fmt, cc):

@@ -28,7 +28,8 @@ CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1), D.RingConfig(gro
 def build(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MICROSCALE_CACHE_DIR", str(tmp_path_factory.mktemp("nvrtc-cache")))
-    compiled = D._compiled(tuple((f, c) for f in FMT_CODE.values() for c in CONFIGS))
+    variants = tuple((f, c, False) for f in FMT_CODE.values() for c in CONFIGS)
+    compiled = D._compiled(variants + tuple((f, c, True) for f in FMT_CODE.values() for c in CONFIGS[:2]))
     yield compiled, nvrtc.disassemble(compiled.cubin), nvrtc.resource_usage(compiled.cubin)
     mp.undo()
 
@@ -68,12 +69,28 @@ def test_sass_waits_for_the_prior_grid_after_the_first_weight_loads(build, cfg):
     assert max(waits) < release < min(i for i, o in enumerate(ops) if o.startswith("STG"))
 
 
+@pytest.mark.parametrize("fmt", list(FMT_CODE))
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: f"split{c.split}")
+def test_gated_epilogue_stores_half_the_columns(build, fmt, cfg):
+    """With GATED (gate/up row pairs, kernels/gated.py) a thread's two accumulator rows become one silu(gate) * up
+    output: half the y stores of the plain kernel, an exponential per output, and the same K loop (MMAs)."""
+    compiled, sass, resources = build
+    plain, gated = (nvrtc.sass_opcodes(sass[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg, g)]])
+                    for g in (False, True))
+    stores = [sum(o.startswith("STG") for o in ops) for ops in (plain, gated)]
+    assert stores[1] * 2 == stores[0] and stores[1] > 0
+    assert "MUFU.EX2" in gated and "MUFU.EX2" not in plain
+    assert sum(o.startswith("HMMA") for o in gated) == sum(o.startswith("HMMA") for o in plain)
+    res = resources[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg, True)]]
+    assert res.get("LOCAL", 0) == 0
+
+
 def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkeypatch):
     """RingConfig.smem_bytes (what the launch asks for) must equal the source's RingSmem<>::BYTES."""
     monkeypatch.setenv("MICROSCALE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(D.RingConfig, "smem_bytes", lambda self, fmt_code: 4096)
     with pytest.raises(RuntimeError, match="RingConfig.smem_bytes differs"):
-        D._compiled.__wrapped__(((0, D.RingConfig()),))
+        D._compiled.__wrapped__(((0, D.RingConfig(), False),))
 
 
 @pytest.mark.parametrize("n,k,fmt,want", [

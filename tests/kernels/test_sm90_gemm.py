@@ -139,6 +139,64 @@ def test_decode_ws_kernel(fmt, m, n, k, seed):
         _check(y, y64, mag, k, torch.bfloat16)
 
 
+def _gated_case(fmt, m, n, k, seed):
+    """Gate and up weights [n, K] under one NVFP4 global scale, the fused weight of their row pairs
+    (kernels/gated.py) and its bias; float64 silu(gate) * up and its error bound: the two products' fp32
+    accumulation (K 2**-22 of |x| @ |W|^T each) through silu's slope (at most 1.1), plus the output rounding."""
+    from microscale.kernels.gated import interleave_index
+    x, q, b, pre, mag = _case(fmt, m, 2 * n, k, torch.bfloat16, seed)
+    index = interleave_index(n, "cuda")
+    gate, up = pre[:, :n], pre[:, n:]
+    err_g, err_u = k * 2.0**-22 * mag[:, :n], k * 2.0**-22 * mag[:, n:]
+    silu = gate / (1 + torch.exp(-gate))
+    want = silu * up
+    bound = 2.0**-8 * want.abs() + 1.1 * err_g * up.abs() + silu.abs() * err_u + err_g * err_u
+    return x, q.take_rows(index), b[index], want, bound
+
+
+def _check_gated(y, want, bound):
+    assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) outputs"
+    worst = ((y.double() - want).abs() / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3f} x the bound"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 104, 160 + 64), (3, 504, 96 * 8), (8, 200, 1024)])
+def test_decode_kernel_gated_epilogue(fmt, m, n, k, seed):
+    """The decode kernel over gate/up row pairs stores silu(gate) * up, [M, N / 2]: the tiles with up to 8
+    activation rows per program (launch.decode_takes_gated), with and without K splits and K parts."""
+    from microscale.kernels.sm90 import launch as paths, prepare
+    from microscale.kernels.sm90.decode import FMT_CODE
+    x, q, b, want, bound = _gated_case(fmt, m, n, k, seed)
+    prep = prepare(q)
+    configs = [None, paths.DecodeConfig(block_m=8, split=1), paths.DecodeConfig(block_m=8, depth=3, split=2),
+               paths.DecodeConfig(block_m=8, reps=2, parts=2), paths.DecodeConfig(block_m=16, reps=2, parts=2, split=3)]
+    for cfg in configs:
+        if cfg and (padded_shape(2 * n, k)[1] // 64) % (cfg.parts * cfg.unroll):
+            continue
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ws = torch.full((1 << 20,), float("nan"), device="cuda")
+        paths.decode_gemm(x, *prep, b, FMT_CODE[fmt], 2 * n, k, cfg, out=y, workspace=ws, gated=True)
+        _check_gated(y, want, bound)
+    with pytest.raises(ValueError, match="at most 8 activation rows per program, not 16"):
+        paths.decode_gemm(x, *prep, b, FMT_CODE[fmt], 2 * n, k, paths.DecodeConfig(block_m=16), gated=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 104, 160 + 64), (5, 504, 96 * 8), (16, 320, 2048 + 32)])
+def test_decode_ws_kernel_gated_epilogue(fmt, m, n, k, seed):
+    from dataclasses import replace
+    from microscale.kernels.sm90 import decode_ws as D, prepare
+    from microscale.kernels.sm90.decode import FMT_CODE
+    x, q, b, want, bound = _gated_case(fmt, m, n, k, seed)
+    prep = prepare(q)
+    for fields in RING_CONFIGS:
+        cfg = None if fields is None else replace(D.RingConfig(**fields), block_m=8 if m <= 8 else 16)
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        D.decode_ws_gemm(x, *prep, b, FMT_CODE[fmt], 2 * n, k, cfg, out=y, gated=True)
+        _check_gated(y, want, bound)
+
+
 def test_decode_ws_is_deterministic(seed):
     """Split-K over a cluster sums the parts in rank order: the same call twice gives the same bits."""
     from microscale.kernels.sm90 import decode_ws as D, prepare

@@ -110,15 +110,19 @@ def test_compiled_step_matches_eager_on_cpu(seed, e2e):
 
 @pytest.mark.parametrize("fmt", [None, "nvfp4"])
 def test_fused_projections_compute_what_the_separate_ones_do(seed, e2e, fmt):
-    """(d) fused: q/k/v and gate/up as one GEMM each give the unfused step's logits (up to summation
-    order), and the separate modules are gone from the model afterwards (the weights are held once)."""
+    """(d) fused: q/k/v and gate/up as one GEMM each (the latter giving silu(gate) * up) give the unfused step's
+    logits (up to summation order), and the separate modules are gone from the model afterwards (the weights are
+    held once)."""
     model = tiny_float32(e2e, fmt)
     ids = torch.randint(0, e2e.TINY["vocab_size"], (2, 6))
     want = teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8), ids)
     fused = e2e.fuse_projections(model)
     assert not hasattr(model.model.layers[0].self_attn, "q_proj") and not hasattr(model.model.layers[1].mlp, "up_proj")
-    qkv, gate_up = fused[0]
-    assert (qkv.out_features, gate_up.out_features) == (2 * e2e.TINY["hidden_size"], 2 * e2e.TINY["intermediate_size"])
+    qkv, gated = fused[0]
+    x = torch.randn(3, e2e.TINY["hidden_size"])
+    assert (qkv(x).shape[-1], gated(x).shape[-1]) == (2 * e2e.TINY["hidden_size"], e2e.TINY["intermediate_size"])
+    if fmt is not None:
+        assert gated.epilogue == "silu_mul"
     got = teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8, fused=fused), ids)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 

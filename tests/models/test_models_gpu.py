@@ -151,3 +151,39 @@ def test_fused_projections_on_the_gpu(fmt):
         separate = torch.cat([layer(x) for layer in layers], -1).float()
         got = fused(x).float()
         assert (got - separate).abs().max() <= 2**-7 * separate.abs().max(), m
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+@torch.no_grad()
+def test_fused_gated_on_the_gpu(fmt):
+    """fuse_gated on an MLP's gate/up projections (one NVFP4 global scale from quantize_model): silu(gate(x)) *
+    up(x) at M where the decode kernels apply it in their epilogue (1, 4, 16) and where it follows the GEMM
+    (100, 300); the fused kernels skip rounding gate(x) and up(x) to bf16, hence the bound. Captured in a CUDA
+    graph and compiled with fullgraph, the layer gives its eager output."""
+    from torch import nn
+
+    from microscale import fuse_gated
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"mlp": nn.ModuleDict({n: nn.Linear(576, 1536, bias=False) for n in ("gate_proj",
+                                                                                                  "up_proj")})})
+    model = model.cuda().to(torch.bfloat16)
+    quantize_model(model, fmt, include=["*_proj"], progress=False)
+    gate, up = model["mlp"]["gate_proj"], model["mlp"]["up_proj"]
+    fused = fuse_gated(gate, up)
+    for m in (1, 4, 16, 100, 300):
+        x = torch.randn(m, 576, device="cuda", dtype=torch.bfloat16)
+        separate = (torch.nn.functional.silu(gate(x).float()) * up(x).float())
+        got = fused(x).float()
+        assert got.shape == (m, 1536)
+        assert (got - separate).abs().max() <= 2**-6 * separate.abs().max(), m
+
+    x = torch.randn(1, 576, device="cuda", dtype=torch.bfloat16)
+    eager = fused(x)
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = fused(x)
+    graph.replay()
+    assert torch.equal(out, eager)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fused, fullgraph=True)(x), eager)

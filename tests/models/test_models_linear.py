@@ -234,3 +234,59 @@ def test_fuse_errors():
                       FP4Linear.from_linear(nn.Linear(32, 8), "mxfp4", activations="mxfp4")])
     with pytest.raises(TypeError, match=r"expected quantized layers, got \['FP4Linear', 'Linear'\]"):
         fuse_linears([a, nn.Linear(32, 8)])
+
+
+def test_fused_gated_layer_gives_silu_of_gate_times_up(seed, fmt):
+    """gate/up layers with one NVFP4 global scale fuse into one layer of gate/up row pairs: its weight holds
+    their rows in the pair order of kernels/gated.py bit for bit, and its output is silu(gate(x)) * up(x) against
+    float64 from the separate layers' dequantized weights (bound: each product's BOUND, through silu's slope of
+    at most 1.1, plus the output rounding)."""
+    from microscale import fuse_gated
+    from microscale.kernels.gated import interleave_index
+    from microscale.quant.reference import nvfp4_global_scale
+
+    linears = [nn.Linear(72, 24, bias=True), nn.Linear(72, 24, bias=False)]
+    shared = nvfp4_global_scale(torch.cat([m.weight for m in linears]).detach()) if fmt == "nvfp4" else None
+    gate, up = (quantized_linear_class(fmt).from_linear(m, fmt, global_scale=shared) for m in linears)
+    fused = fuse_gated(gate, up)
+    assert (fused.in_features, fused.out_features, fused.epilogue) == (72, 48, "silu_mul")
+    rows = torch.cat([gate.qweight.dequantize(), up.qweight.dequantize()])
+    assert torch.equal(fused.qweight.dequantize(), rows[interleave_index(24)])
+    assert "epilogue=silu_mul" in repr(fused)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, 72).to(dtype)
+        y = fused(x)
+        assert y.shape == (3, 5, 24) and y.dtype == dtype
+        (g, g_err), (u, u_err) = (reference_product(x.reshape(-1, 72), m) for m in (gate, up))
+        g_err, u_err = BOUND[dtype] * g_err, BOUND[dtype] * u_err
+        silu = g / (1 + torch.exp(-g))
+        want = silu * u
+        limit = 1.1 * g_err * u.abs() + silu.abs() * u_err + g_err * u_err + 2.0**-8 * want.abs() + 1e-30
+        worst = ((y.reshape(-1, 24).double() - want).abs() / limit).max().item()
+        assert worst <= 1.0, f"{dtype}: error {worst:.2f}x the bound"
+
+
+def test_fused_gated_state_dict_and_errors(seed):
+    from microscale import fuse_gated, save_quantized
+    from microscale.quant.reference import nvfp4_global_scale
+
+    linears = [nn.Linear(32, 16), nn.Linear(32, 16)]
+    shared = nvfp4_global_scale(torch.cat([m.weight for m in linears]).detach())
+    gate, up = (FP4Linear.from_linear(m, global_scale=shared) for m in linears)
+    fused = fuse_gated(gate, up)
+    again = FP4Linear(32, 32, epilogue="silu_mul", device="meta")
+    again.load_state_dict(fused.state_dict(), assign=True)
+    x = torch.randn(4, 32)
+    assert torch.equal(again(x), fused(x))
+    with pytest.raises(ValueError, match="gate has out_features=16, up 8"):
+        fuse_gated(gate, FP4Linear.from_linear(nn.Linear(32, 8), global_scale=shared))
+    with pytest.raises(ValueError, match="12 gate rows is not a multiple of 8"):
+        fuse_gated(*(FP4Linear.from_linear(nn.Linear(32, 12), "mxfp4") for _ in range(2)))
+    with pytest.raises(ValueError, match="a layer of gate/up pairs .* cannot be fused again"):
+        fuse_gated(fused, fused)
+    with pytest.raises(ValueError, match="epilogue='silu_mul' needs gate/up row pairs, out_features a multiple of 16"):
+        FP4Linear(32, 24, epilogue="silu_mul")
+    with pytest.raises(ValueError, match="unknown epilogue 'relu'"):
+        FP4Linear(32, 32, epilogue="relu")
+    with pytest.raises(ValueError, match="mlp is a fused gate/up layer"):
+        save_quantized(nn.ModuleDict({"mlp": fused}), "/nonexistent/never-written")

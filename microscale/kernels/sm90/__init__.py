@@ -28,6 +28,8 @@ gemm: picks the kernel from M and the options (docs/dispatch.md):
   options["kernel"] or the environment variable MICROSCALE_SM90_KERNEL ("decode_ws", "decode", "wgmma",
   "wgmma_ws", "dequant", "fp8") overrides the choice; "decode_ws" asked for above M = 16 leaves the choice to
   the rule (so the variable can ask for it for a whole model, prefill included).
+  options["epilogue"] = "silu_mul" (gate/up row pairs, kernels/gated.py): applied in the epilogue by decode_ws and
+  by decode with up to 8 activation rows per program (launch.decode_takes_gated), after the GEMM elsewhere.
 """
 
 import os
@@ -36,6 +38,7 @@ import torch
 
 from ...formats.spec import get_format
 from ...formats.tensor import QTensor
+from .. import gated
 from ..dispatch import Backend, compute_capability, register
 from ..selftest import backend_run_fn, selftest_passed
 from . import launch as paths
@@ -136,7 +139,14 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
                            wgmma_ws.supports(x2d), k, paths.sm_count(paths.device_index(x2d.device)))
     run = {"decode_ws": decode_ws.decode_ws_gemm, "decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm,
            "wgmma_ws": wgmma_ws.wgmma_ws_gemm, "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
-    return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
+    args = (x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
+    epilogue = gated.check_epilogue((options or {}).get("epilogue"))
+    if epilogue is None:
+        return run(*args)
+    decode_cfg = paths.decode_config(m, n, k, FMT_CODE[fmt]) if kernel == "decode" else None
+    if kernel == "decode_ws" or (decode_cfg is not None and paths.decode_takes_gated(decode_cfg)):
+        return run(*args, gated=True)
+    return gated.silu_mul(run(*args))
 
 
 BACKEND = Backend(
@@ -145,7 +155,7 @@ BACKEND = Backend(
     available=_available,
     prepare=prepare,
     gemm=gemm,
-    options=frozenset({"fp8_activations", "kernel"}),
+    options=frozenset({"fp8_activations", "kernel", "epilogue"}),
     unprepare=unprepare,
 )
 register(BACKEND)

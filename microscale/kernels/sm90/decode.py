@@ -13,6 +13,8 @@ the 8/16-wide side), so M = 1 costs as little tensor-core work as M = 8.
 The grid is (M tiles, N tiles, K splits). With K split in SPLIT parts, each program writes its fp32
 partial tile to a workspace and takes a ticket; the last program of a tile sums the partials in
 split order (deterministic), applies the per-row factor and bias, writes y, and resets the ticket.
+With GATED the weight holds gate/up row pairs (kernels/gated.py) and the epilogue stores
+silu(gate) * up, N / 2 outputs.
 """
 
 import torch
@@ -269,7 +271,7 @@ def decode_gemm_kernel(
     M, N, K, KT, steps_per_split, n_split, stride_xm, stride_ym,
     FMT: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
     NW: gl.constexpr, R: gl.constexpr, U: gl.constexpr, BMX: gl.constexpr, DEPTH: gl.constexpr,
-    FULL_K: gl.constexpr, KP: gl.constexpr, PDL: gl.constexpr = False,
+    FULL_K: gl.constexpr, KP: gl.constexpr, PDL: gl.constexpr = False, GATED: gl.constexpr = False,
 ):
     RG: gl.constexpr = NW * R  # 16-row groups of the MMA tile: RG // KP of the weight, KP K parts each
     BN: gl.constexpr = RG * ROW_GROUP
@@ -332,7 +334,8 @@ def decode_gemm_kernel(
         _release_dependents()  # the fix-up and the stores overlap the next kernel's launch
     if KP > 1:
         acc = _sum_parts(acc, NW, KP)
-    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, pid_s, n_split, HAS_BIAS, SPLIT)
+    _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, pid_s, n_split, HAS_BIAS, SPLIT,
+            GATED)
 
 
 @gluon.constexpr_function
@@ -346,7 +349,7 @@ def _fixup_layout(BN, BM, NW):
 
 @gluon.jit
 def _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, pid_s, n_split,
-            HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):
+            HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, GATED: gl.constexpr = False):
     """y^T tile (pid_n, pid_m) = acc (times row_mult, plus bias). With SPLIT, acc is this program's
     partial over its K range: it goes to the workspace WS, and the last program of the tile (ticket
     n_split - 1) sums the partials in split order (deterministic), writes y and resets the ticket.
@@ -361,23 +364,21 @@ def _finish(acc, ROW_MULT, BIAS, Y, WS, TICKETS, M, N, stride_ym, pid_m, pid_n, 
     if BM > 8:
         acc = gl.convert_layout(acc, _fixup_layout(BN, BM, gl.num_warps()))
     layout: gl.constexpr = acc.type.layout
-    n_loc = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
-    m_loc = gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
-    n_idx = pid_n * BN + n_loc
-    m_idx = pid_m * BM + m_loc
     if SPLIT:
+        n_loc = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+        m_loc = gl.arange(0, BM, layout=gl.SliceLayout(0, layout))
         tile = pid_n * gl.num_programs(0) + pid_m
         part = WS + (tile * n_split).to(gl.int64) * (BN * BM) + (m_loc * BN)[None, :] + n_loc[:, None]
-        m_ok = (m_idx < M)[None, :]  # rows n are padded to the tile: only columns past M are masked
+        m_ok = (pid_m * BM + m_loc < M)[None, :]  # rows n are padded to the tile: only columns past M are masked
         gl.store(part + pid_s * (BN * BM), acc, mask=m_ok)
         gl.thread_barrier()  # every thread's partial is written before the ticket (release) is taken
         ticket = gl.atomic_add(TICKETS + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == n_split - 1:
             acc = _sum_partials(part, m_ok, n_split, acc)
-            _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, M, N, stride_ym, HAS_BIAS)
+            _epilogue(acc, ROW_MULT, BIAS, Y, pid_n, pid_m, M, N, stride_ym, HAS_BIAS, GATED)
             gl.store(TICKETS + tile, 0)
     else:
-        _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, M, N, stride_ym, HAS_BIAS)
+        _epilogue(acc, ROW_MULT, BIAS, Y, pid_n, pid_m, M, N, stride_ym, HAS_BIAS, GATED)
 
 
 @gluon.jit
@@ -400,13 +401,32 @@ def _sum_partials(part, m_ok, n_split, acc):
 
 
 @gluon.jit
-def _epilogue(acc, ROW_MULT, BIAS, Y, n_idx, m_idx, M, N, stride_ym, HAS_BIAS: gl.constexpr):
+def _epilogue(acc, ROW_MULT, BIAS, Y, pid_n, pid_m, M, N, stride_ym, HAS_BIAS: gl.constexpr, GATED: gl.constexpr):
+    """y^T tile (pid_n, pid_m) = acc times row_mult, plus bias; with GATED, silu(gate) * up of the tile's
+    gate/up row pairs (rows 16 a + i and 16 a + 8 + i: register pairs of the MMA layout, which acc keeps
+    up to 8 columns), N / 2 outputs."""
+    BN: gl.constexpr = acc.shape[0]
+    BM: gl.constexpr = acc.shape[1]
+    n_idx = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc.type.layout))
     n_ok = n_idx < N
     acc = acc * gl.load(ROW_MULT + n_idx, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += gl.load(BIAS + n_idx, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+    if GATED:
+        gate, up = gl.split(acc.reshape(BN // 16, 2, 8, BM).permute(0, 2, 3, 1))
+        _store_tile((gate / (1.0 + gl.exp(-gate)) * up).reshape(BN // 2, BM), Y, pid_n, pid_m, M, N // 2, stride_ym)
+    else:
+        _store_tile(acc, Y, pid_n, pid_m, M, N, stride_ym)
+
+
+@gluon.jit
+def _store_tile(acc, Y, pid_n, pid_m, M, N, stride_ym):
+    """Y[m, n] = acc[n - pid_n BN, m - pid_m BM] for the tile's n < N, m < M."""
+    layout: gl.constexpr = acc.type.layout
+    n_idx = pid_n * acc.shape[0] + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    m_idx = pid_m * acc.shape[1] + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     gl.store(Y + m_idx[None, :].to(gl.int64) * stride_ym + n_idx[:, None], acc.to(Y.dtype.element_ty),
-             mask=n_ok[:, None] & (m_idx < M)[None, :])
+             mask=(n_idx < N)[:, None] & (m_idx < M)[None, :])
 
 
 # ---- dequantize in registers, write the full tile: bf16 weights for cuBLAS, or E4M3 for the FP8 path ----

@@ -8,7 +8,9 @@
 // row group (16 weight rows): per K step it reads its 16 bytes of words and 2 of scales from the ring,
 // decodes them (decode.py's PTX, generated into wgmma_ws.cuh's helpers) and issues mma.sync m16n8k16 with
 // the weights as A and x as B, as the Triton kernel does. Split-K over the CTAs of a cluster, the
-// partials summed through distributed shared memory in rank order.
+// partials summed through distributed shared memory in rank order. With GATED the weight holds gate/up row
+// pairs (kernels/gated.py: rows g and g + 8 of a row group, one thread's two accumulator halves) and y gets
+// silu(gate) * up, N / 2 columns.
 //
 // The dispatch takes it where decode_ws.ring_wins. Compiled after wgmma_ws.cuh's source, whose helpers it uses.
 
@@ -66,7 +68,7 @@ __device__ __forceinline__ void ring_step(float (&acc)[BM / 2], u32 w_addr, u32 
   }
 }
 
-template <int FMT, int BM, int RGS, int STEPS, int STAGES, int SPLIT>
+template <int FMT, int BM, int RGS, int STEPS, int STAGES, int SPLIT, int GATED>
 __global__ void __launch_bounds__((RGS + 1) * 32)
 decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__ TensorMap data_tmap,
                const __grid_constant__ TensorMap scale_tmap, const float* __restrict__ row_mult,
@@ -171,18 +173,25 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
   if (mine) {
     const int g = lane / 4, t = lane % 4;
     const int n0 = (n_tile * RGS + warp) * 16 + g;
+    float mult[2], add[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int n = n0 + 8 * h;
-      if (n >= N) continue;
-      const float mult = row_mult[n];
-      const float add = bias != nullptr ? __uint_as_float(static_cast<u32>(bias[n]) << 16) : 0.0f;
+      const int n = min(n0 + 8 * h, N - 1);  // rows past N are computed and never stored
+      mult[h] = row_mult[n];
+      add[h] = bias != nullptr ? __uint_as_float(static_cast<u32>(bias[n]) << 16) : 0.0f;
+    }
 #pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
+    for (int j = 0; j < BM / 8; ++j) {
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int m = 8 * j + 2 * t + c;
-          if (m < M) y[static_cast<long>(m) * ldy + n] = bf16_bits(acc[4 * j + 2 * h + c] * mult + add);
+      for (int c = 0; c < 2; ++c) {
+        const int m = 8 * j + 2 * t + c;
+        if (m >= M) continue;
+        const float v0 = acc[4 * j + c] * mult[0] + add[0], v1 = acc[4 * j + 2 + c] * mult[1] + add[1];
+        if constexpr (GATED) {  // the pair (gate, up) -> output column 8 (row group) + g
+          if (n0 < N) y[static_cast<long>(m) * ldy + n0 / 16 * 8 + g] = bf16_bits(v0 / (1.0f + __expf(-v0)) * v1);
+        } else {
+          if (n0 < N) y[static_cast<long>(m) * ldy + n0] = bf16_bits(v0);
+          if (n0 + 8 < N) y[static_cast<long>(m) * ldy + n0 + 8] = bf16_bits(v1);
         }
       }
     }

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .. import nvrtc
+from ..gated import PAIR_ROWS
 from . import wgmma_ws
 from .launch import device_index, programmatic_launch, sm_count
 from .layout import K_STEP, ROW_GROUP, padded_shape
@@ -106,31 +107,35 @@ def source() -> str:
     return wgmma_ws.source() + "\n" + SOURCE_PATH.read_text()
 
 
-def name_expression(fmt_code: int, cfg: RingConfig) -> str:
-    return f"ms90::decode_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.groups}, {cfg.steps}, {cfg.stages}, {cfg.split}>"
+def name_expression(fmt_code: int, cfg: RingConfig, gated: bool = False) -> str:
+    return (f"ms90::decode_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.groups}, {cfg.steps}, {cfg.stages}, {cfg.split}, "
+            f"{int(gated)}>")
 
 
 @lru_cache(maxsize=None)
 def _compiled(variants: tuple) -> nvrtc.CompiledKernels:
-    """The kernels of (fmt_code, RingConfig) variants; a static_assert per variant keeps smem_bytes equal to
-    the source's RingSmem<>::BYTES."""
+    """The kernels of (fmt_code, RingConfig, gated) variants; a static_assert per variant keeps smem_bytes equal
+    to the source's RingSmem<>::BYTES."""
     checks = [f"static_assert(ms90::RingSmem<{f}, {c.block_m}, {c.groups}, {c.steps}, {c.stages}>::BYTES == "
-              f"{c.smem_bytes(f)}, \"RingConfig.smem_bytes differs from RingSmem::BYTES\");" for f, c in variants]
-    return nvrtc.compile_kernels(tuple(name_expression(f, c) for f, c in variants),
+              f"{c.smem_bytes(f)}, \"RingConfig.smem_bytes differs from RingSmem::BYTES\");" for f, c, _ in variants]
+    return nvrtc.compile_kernels(tuple(name_expression(*v) for v in variants),
                                  source=source() + "\n" + "\n".join(checks) + "\n", label=SOURCE_PATH.name, arch=ARCH)
 
 
 @lru_cache(maxsize=None)
-def _kernel(fmt_code: int, cfg: RingConfig, device_index: int):
-    return nvrtc.load_kernel(_compiled(((fmt_code, cfg),)), name_expression(fmt_code, cfg), device_index)
+def _kernel(fmt_code: int, cfg: RingConfig, gated: bool, device_index: int):
+    variant = (fmt_code, cfg, gated)
+    return nvrtc.load_kernel(_compiled((variant,)), name_expression(*variant), device_index)
 
 
 def supports(x: torch.Tensor) -> bool:
     return x.shape[0] <= MAX_M and wgmma_ws.supports(x)
 
 
-def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: RingConfig = None, out=None):
-    """y = x @ W^T (+ bias) for bf16 x [M <= 16, K] and prepared weights (layout.shuffle_weights)."""
+def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: RingConfig = None, out=None,
+                   gated: bool = False):
+    """y = x @ W^T (+ bias) for bf16 x [M <= 16, K] and prepared weights (layout.shuffle_weights); gated: the
+    weight's rows are gate/up pairs and y [M, N / 2] = silu(gate) * up (kernels/gated.py)."""
     m = x.shape[0]
     if not supports(x):
         raise ValueError(f"decode_ws: x must be bf16 [M <= {MAX_M}, K] with unit column stride and 16-byte-aligned "
@@ -143,8 +148,10 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
     if m > cfg.block_m or kt % cfg.steps or cfg.split not in range(1, 9):
         raise ValueError(f"decode_ws: {cfg} cannot run M={m} (block_m) on K={kp} ({kt} steps of {K_STEP}), or its "
                          f"split is not a cluster size of 1-8")
+    if gated and n % (2 * PAIR_ROWS):
+        raise ValueError(f"decode_ws: the gated epilogue needs N = {n} a multiple of {2 * PAIR_ROWS}")
     device = device_index(x.device)
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device) if out is None else out
+    y = torch.empty(m, n // 2 if gated else n, dtype=torch.bfloat16, device=x.device) if out is None else out
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
     tiles = -(-np_ // (ROW_GROUP * cfg.groups))  # a last tile past the rows reads zeros (TMA) and stores nothing
@@ -156,7 +163,7 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
     smem = cfg.smem_bytes(fmt_code)
     if programmatic:  # more than half an SM: the next call's CTAs, launched early, never share an SM with these
         smem = max(smem, ONE_CTA_PER_SM_BYTES)
-    nvrtc.launch(_kernel(fmt_code, cfg, device), clusters=tiles, cluster=cfg.split, block=cfg.threads,
+    nvrtc.launch(_kernel(fmt_code, cfg, gated, device), clusters=tiles, cluster=cfg.split, block=cfg.threads,
                  smem_bytes=smem, device_index=device, stream_handle=torch.cuda.current_stream(x.device).cuda_stream,
                  args=args, programmatic=programmatic)
     return y

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ...formats.spec import E4M3_MAX
+from ..gated import PAIR_ROWS
 from ..quantize import _e4m3_bits
 from . import decode, wgmma
 from .layout import K_STEP, ROW_GROUP, padded_shape
@@ -192,13 +193,23 @@ def _split_workspace(workspace, tiles: int, split: int, tile_elems: int, device)
     return workspace
 
 
+def decode_takes_gated(cfg: DecodeConfig) -> bool:
+    """Whether the decode kernel applies the gated epilogue (kernels/gated.py) with this tile: up to 8 activation
+    rows per program, whose accumulator keeps the MMA layout, where a gate/up row pair sits in one thread."""
+    return cfg.rows_m <= 8
+
+
 def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: DecodeConfig = None,
-                out=None, workspace=None):
-    """out / workspace: preallocated y [M, N] and fp32 split-K buffer (tests poison them)."""
+                out=None, workspace=None, gated: bool = False):
+    """out / workspace: preallocated y [M, N] and fp32 split-K buffer (tests poison them). gated: the
+    weight's rows are gate/up pairs and y [M, N / 2] = silu(gate) * up (kernels/gated.py)."""
     m = x.shape[0]
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
     cfg = cfg or decode_config(m, n, k, fmt_code)
+    if gated and (n % (2 * PAIR_ROWS) or not decode_takes_gated(cfg)):
+        raise ValueError(f"decode: the gated epilogue needs N = {n} a multiple of {2 * PAIR_ROWS} and "
+                         f"at most 8 activation rows per program, not {cfg.rows_m}")
     if np_ % cfg.block_n:
         raise ValueError(f"decode tile of {cfg.block_n} rows does not divide the {np_} padded weight rows "
                          f"(16 x num_warps x reps / parts must divide layout.ROW_ALIGN)")
@@ -210,11 +221,11 @@ def decode_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, c
     part_steps = kt // cfg.parts
     tiles_n = np_ // cfg.block_n
     tiles_m = triton.cdiv(m, cfg.rows_m)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device) if out is None else out
     tickets = _tickets(x.device, tiles_n * tiles_m)
     constexprs = dict(FMT=fmt_code, HAS_BIAS=bias is not None, SPLIT=True, NW=cfg.num_warps, R=cfg.reps,
                       U=cfg.unroll, BMX=cfg.block_m, DEPTH=cfg.depth, FULL_K=k == kp, KP=cfg.parts,
-                      PDL=programmatic_launch(x.device))
+                      PDL=programmatic_launch(x.device), GATED=gated)
     # workspace (fp32), steps and split are placeholders until the split is known
     args = [x, data, scale, row_mult, bias if bias is not None else row_mult, y, row_mult, tickets,
             m, n, k, kt, 2, 2, x.stride(0), y.stride(0)]
