@@ -23,6 +23,10 @@ W R with a block-wise Hadamard R (quant/hadamard.py) and the layers rotate their
 it needs every selected in_features to be a multiple of the rotation block.
 A model on the meta device gets all-zero quantized layers of the right shapes (to load a
 quantized state_dict with assign=True afterwards).
+
+fuse_gated_mlps (after quantize_model, for inference): each SiLU-gated MLP (Llama, Mistral, Qwen2 and the like)
+becomes a GatedMLP whose gate and up projections are one fuse_gated layer, so the model's own forward (generate
+included) runs one GEMM for both, with SiLU x up in the Hopper decode kernels' epilogue.
 """
 
 import fnmatch
@@ -36,7 +40,7 @@ from ..formats.spec import get_format
 from ..formats.tensor import padded_k
 from ..kernels import ops
 from ..quant.methods import check_method, quantize_weights
-from .linear import QuantizedLinear, quantized_linear_class
+from .linear import QuantizedLinear, fuse_gated, quantized_linear_class
 
 DEFAULT_EXCLUDE = ("lm_head", "*embed*")
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"),
@@ -237,3 +241,43 @@ def quantize_model(model: nn.Module, fmt, *, include: Optional[Iterable[str]] = 
             padded_k=kp if kp != linear.in_features else None))
     report.model_bytes_after = model_bytes(model)
     return report
+
+
+class GatedMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) with gate and up as one fuse_gated layer."""
+
+    def __init__(self, gated: QuantizedLinear, down_proj: nn.Module):
+        super().__init__()
+        self.gated, self.down_proj = gated, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gated(x))
+
+
+def _is_silu(act) -> bool:
+    """Whether act is SiLU, judged by what it computes (nn.SiLU, transformers' SiLUActivation, ...)."""
+    if not isinstance(act, nn.Module):
+        return False
+    probe = torch.linspace(-8.0, 8.0, 33)
+    with torch.no_grad():
+        return torch.equal(act(probe), nn.functional.silu(probe))
+
+
+def fuse_gated_mlps(model: nn.Module) -> list:
+    """Replace, in place, every module with quantized `gate_proj` and `up_proj`, a `down_proj` and an `act_fn`
+    that is SiLU (the gated MLP of Llama-style models) by a GatedMLP over fuse_gated(gate_proj, up_proj); returns
+    the names replaced. Other modules are left as they are. The fused layers are for inference: save_quantized
+    refuses them, so save the model before fusing."""
+    fused = []
+    for name, module in list(model.named_modules()):
+        gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+        if not (isinstance(gate, QuantizedLinear) and isinstance(up, QuantizedLinear)
+                and _is_silu(getattr(module, "act_fn", None)) and hasattr(module, "down_proj")):
+            continue
+        try:
+            gated = fuse_gated(gate, up)
+        except ValueError as e:
+            raise ValueError(f"fuse_gated_mlps: {name}: {e}") from e
+        _set_submodule(model, name, GatedMLP(gated, module.down_proj))
+        fused.append(name)
+    return fused

@@ -186,3 +186,33 @@ def test_activations_reach_every_layer(seed):
     layers = [m for m in model.modules() if isinstance(m, FP4Linear)]
     assert len(layers) == 14 and all(m.activations == "nvfp4" for m in layers)
     assert torch.isfinite(model(torch.randint(0, 160, (1, 8))).logits).all()
+
+
+def test_fuse_gated_mlps(seed, fmt, tmp_path):
+    """After quantize_model, every SiLU-gated MLP becomes a GatedMLP over one fuse_gated layer: the logits are the
+    unfused model's up to float rounding, generate runs, GELU MLPs and float MLPs are left alone, and the fused
+    model cannot be saved."""
+    from microscale import fuse_gated_mlps, save_quantized
+    from microscale.models.quantize_model import GatedMLP
+
+    model = tiny_llama()
+    quantize_model(model, fmt, progress=False)
+    ids = torch.randint(0, 160, (2, 12))
+    with torch.no_grad():
+        want = model(ids).logits
+    assert fuse_gated_mlps(model) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    mlp = model.model.layers[1].mlp
+    assert type(mlp) is GatedMLP and mlp.gated.epilogue == "silu_mul" and mlp.gated.out_features == 2 * 96
+    with torch.no_grad():
+        got = model(ids).logits
+    assert (got - want).abs().max() <= REFERENCE_RTOL * want.abs().max()
+    assert model.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+    assert fuse_gated_mlps(model) == []  # nothing left to fuse
+    with pytest.raises(ValueError, match="model.layers.0.mlp.gated is a fused gate/up layer"):
+        save_quantized(model, tmp_path / "out")
+
+    gelu = tiny_llama(hidden_act="gelu")
+    quantize_model(gelu, fmt, progress=False)
+    unquantized = tiny_llama()
+    quantize_model(unquantized, fmt, exclude=["lm_head", "mlp.*"], progress=False)
+    assert fuse_gated_mlps(gelu) == [] and fuse_gated_mlps(unquantized) == []
