@@ -143,9 +143,12 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
     epilogue = gated.check_epilogue((options or {}).get("epilogue"))
     if epilogue is None:
         return run(*args)
-    decode_cfg = paths.decode_config(m, n, k, FMT_CODE[fmt]) if kernel == "decode" else None
-    if kernel == "decode_ws" or (decode_cfg is not None and paths.decode_takes_gated(decode_cfg)):
+    if kernel == "decode_ws":
         return run(*args, gated=True)
+    if kernel == "decode":
+        cfg = paths.decode_config(m, n, k, FMT_CODE[fmt])
+        if paths.decode_takes_gated(cfg):
+            return run(*args, cfg, gated=True)
     return gated.silu_mul(run(*args))
 
 
