@@ -5,7 +5,9 @@
 
 The model is built from a transformers LlamaConfig with Llama-3-8B's shapes and random weights, once
 per format (the same seed), quantized with quantize_model (decoder Linears; lm_head and embeddings
-stay bf16, its default). Per format and batch size, in one process:
+stay bf16, its default; a format "<format>+lm_head", e.g. nvfp4+lm_head, quantizes lm_head too, as some
+deployments do: at batch 1 the bf16 lm_head is about a tenth of the NVFP4 step). Per format and batch size,
+in one process:
 
 (a) generate: what users run. transformers `generate`, greedy, static cache, compiled decode
     (CompileConfig(fullgraph=True, mode="reduce-overhead")). Time per decode step = median gap
@@ -67,6 +69,8 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 FORMATS = ("bf16", "nvfp4", "mxfp4", "mxfp8")
+HEAD = "+lm_head"  # a format name ending so quantizes lm_head too (its default exclude keeps it bf16)
+ALL_FORMATS = FORMATS + tuple(f + HEAD for f in FORMATS[1:])
 WAYS = ("graph", "compiled-graph", "generate", "fused", "fused-pdl")
 PDL_WAYS = ("fused-pdl",)  # the ways of a process started with TORCHINDUCTOR_ENABLE_PDL=1, and only those
 LINEAR_KERNEL_MARKS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul", "dequant", "_mm_")
@@ -76,7 +80,8 @@ MARKERS = ("<!-- e2e:begin (bench/e2e.py writes this section) -->", "<!-- e2e:en
 
 
 def build_model(config: dict, fmt: str, device, seed: int = 0):
-    """Random-weight LlamaForCausalLM in bf16 on `device`, its decoder Linears quantized to fmt."""
+    """Random-weight LlamaForCausalLM in bf16 on `device`, its decoder Linears quantized to fmt (and lm_head,
+    for a format named "<format>+lm_head")."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -87,7 +92,9 @@ def build_model(config: dict, fmt: str, device, seed: int = 0):
             model = LlamaForCausalLM(LlamaConfig(**config)).eval()
     finally:
         torch.set_default_dtype(default)
-    report = None if fmt == "bf16" else quantize_model(model, fmt, progress=False)
+    base, head = fmt.removesuffix(HEAD), fmt.endswith(HEAD)
+    report = None if fmt == "bf16" else quantize_model(model, base, exclude=("*embed*",) if head else None,
+                                                         progress=False)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return model, report
@@ -414,7 +421,7 @@ def merge_rows(rows: list, new: list) -> None:
             same[0].update(n)
         else:
             rows.append(n)
-    order = {f: i for i, f in enumerate(FORMATS)}
+    order = {f: i for i, f in enumerate(ALL_FORMATS)}
     rows.sort(key=lambda r: (order[r["format"]], r["batch"]))
 
 
@@ -434,7 +441,8 @@ def markdown(results: dict) -> str:
     lines = [
         MARKERS[0], "", "## End-to-end decode (bench/e2e.py)", "",
         f"{c['name']} (random weights, bf16 activations; {c['layers']} layers), decoder Linears quantized by "
-        f"`quantize_model` (lm_head and embeddings bf16). {e.get('gpu', 'CPU')}, torch {e['torch']}, transformers "
+        f"`quantize_model` (lm_head and embeddings bf16; rows '<format>{HEAD}': lm_head in the format too). "
+        f"{e.get('gpu', 'CPU')}, torch {e['torch']}, transformers "
         f"{e['transformers']}, {e['date'][:10]}. (a) transformers `generate`, static cache, compiled decode "
         f"(`CompileConfig(fullgraph=True, mode=\"reduce-overhead\")`), {c['new_tokens']} new tokens after a "
         f"{c['prompt']}-token prompt: step time from token arrival times; GPU time from a profile of the same call "
@@ -495,7 +503,8 @@ def write_markdown_section(path: str, section: str) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=ALL_FORMATS,
+                   help=f"'<format>{HEAD}' quantizes lm_head too (not by default)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     inductor_pdl = torch._inductor.config.triton.enable_pdl
     p.add_argument("--ways", nargs="+", default=[w for w in WAYS if (w in PDL_WAYS) == inductor_pdl], choices=WAYS,

@@ -153,3 +153,19 @@ def test_pdl_way_runs_only_where_inductor_launches_programmatically(e2e, tmp_pat
     assert list(results["rows"][0]) == [k for k in results["rows"][0] if k not in e2e.WAYS] + ["fused-pdl"]
     assert results["rows"][0]["fused-pdl"]["ms_per_step"] > 0 and "MICROSCALE_PDL" not in os.environ
     assert results["env"]["runs"][-1].split("`")[1].startswith("TORCHINDUCTOR_ENABLE_PDL=1 bench/e2e.py --tiny")
+
+
+def test_lm_head_formats_quantize_the_head_too(e2e):
+    """'<format>+lm_head' quantizes lm_head as well (the default keeps it bf16); the embeddings stay bf16 in both,
+    and the row sorts after the plain formats."""
+    from microscale.models.linear import QuantizedLinear
+
+    plain, _ = e2e.build_model(e2e.TINY, "nvfp4", "cpu")
+    head, report = e2e.build_model(e2e.TINY, "nvfp4+lm_head", "cpu")
+    assert not isinstance(plain.lm_head, QuantizedLinear) and isinstance(head.lm_head, QuantizedLinear)
+    assert head.lm_head.fmt.name == "nvfp4" and "lm_head" in [r.name for r in report.quantized]
+    assert type(head.model.embed_tokens) is torch.nn.Embedding
+    rows = [{"format": "nvfp4+lm_head", "batch": 1}, {"format": "bf16", "batch": 1}, {"format": "nvfp4", "batch": 1}]
+    merged = []
+    e2e.merge_rows(merged, rows)
+    assert [r["format"] for r in merged] == ["bf16", "nvfp4", "nvfp4+lm_head"]
