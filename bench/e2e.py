@@ -59,7 +59,10 @@ import torch
 import torch.nn.functional as F
 
 from microscale import fuse_gated, fuse_linears, quantize_model
-from microscale.kernels.sm90.launch import PDL_ENV
+from microscale.kernels.sm90.launch import PDL_ENV, programmatic_launch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s modules, also when loaded by path
+from decode_attention import decode_attention  # noqa: E402
 from microscale.models.linear import QuantizedLinear
 from microscale.models.quantize_model import model_bytes
 
@@ -109,10 +112,15 @@ class StaticDecoder:
     step can be captured once and replayed.
     """
 
-    def __init__(self, model, batch: int, cache_len: int, fused=None):
+    def __init__(self, model, batch: int, cache_len: int, fused=None, attention: str = "sdpa"):
         cfg = model.config
         self.model = model
         self.fused = fused  # per layer (qkv, gated) from fuse_projections, or None: the model's own modules
+        if attention not in ("sdpa", "kernel") or (attention == "kernel" and not fused):
+            raise ValueError(f"StaticDecoder: attention={attention!r}: 'sdpa', or 'kernel' (decode_attention.py, "
+                             "which takes the fused q/k/v projection's output) with fused projections")
+        self.attention = attention
+        self.heads = cfg.num_attention_heads
         device = model.model.embed_tokens.weight.device
         dtype = model.model.embed_tokens.weight.dtype
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -146,20 +154,25 @@ class StaticDecoder:
         for i, (layer, k_cache, v_cache) in enumerate(zip(m.layers, self.k, self.v)):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            if self.fused:
-                qkv, gated = self.fused[i]
-                q, k, v = qkv(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+            if self.attention == "kernel":
+                o = decode_attention(self.fused[i][0](x).view(batch, -1), self.cos[0], self.sin[0], self.pos,
+                                     k_cache, v_cache, self.heads, x.is_cuda and programmatic_launch(x.device))
+                o = o.view(batch, 1, -1)
             else:
-                q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
-            q, k, v = (t.view(batch, 1, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k_cache.index_copy_(2, p, k)
-            v_cache.index_copy_(2, p, v)
-            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
-            h = h + a.o_proj(o.transpose(1, 2).reshape(batch, 1, -1))
+                if self.fused:
+                    q, k, v = self.fused[i][0](x).split([self.q_size, self.kv_size, self.kv_size], -1)
+                else:
+                    q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+                q, k, v = (t.view(batch, 1, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+                k_cache.index_copy_(2, p, k)
+                v_cache.index_copy_(2, p, v)
+                o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+                o = o.transpose(1, 2).reshape(batch, 1, -1)
+            h = h + a.o_proj(o)
             x = layer.post_attention_layernorm(h)
             if self.fused:
-                h = h + layer.mlp.down_proj(gated(x))
+                h = h + layer.mlp.down_proj(self.fused[i][1](x))
             else:
                 h = h + layer.mlp(x)
         logits = self.model.lm_head(m.norm(h))[:, -1]
@@ -220,14 +233,14 @@ def programmatic_launches(on: bool):
 
 
 def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_tokens: int = 8,
-                         compile_step: bool = False, fused=None) -> dict:
+                         compile_step: bool = False, fused=None, attention: str = "sdpa") -> dict:
     """Step time of StaticDecoder replayed as one CUDA graph per step; tokens checked against eager.
 
     compile_step: the step goes through torch.compile(fullgraph=True) first, so the norms, rotary
     embedding and elementwise work between the GEMMs become a few fused kernels (the eager step
     launches some 30 small kernels per layer); the tokens are then checked against the compiled
     step run without the graph."""
-    dec = StaticDecoder(model, batch, prompt_len + steps + check_tokens + 8, fused)
+    dec = StaticDecoder(model, batch, prompt_len + steps + check_tokens + 8, fused, attention)
     first = torch.randint(0, model.config.vocab_size, (batch, 1), device=dec.tokens.device)
     step = torch.compile(dec.step, fullgraph=True, dynamic=False) if compile_step else dec.step
 
@@ -275,7 +288,7 @@ def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_t
     end.synchronize()
     ms = start.elapsed_time(end) / steps
     out = {"ms_per_step": ms, "tokens_equal_eager": same, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-           "compiled_step": compile_step}
+           "compiled_step": compile_step, "attention": attention}
     # where the step goes: kernel time per class over profiled replays; idle = step - kernel time (the
     # gaps between kernels, which the graph does not remove). From the start position again: the cache
     # holds prompt_len + steps + check_tokens + 8 positions
@@ -390,11 +403,12 @@ def run_format(config, fmt, device, batches, args) -> list:
     fused_ways = [how for how in ("fused", "fused-pdl") if how in args.ways]
     if fused_ways:  # last: it takes the separate projections out of the model
         fused = fuse_projections(model)
+        attention = args.attention if torch.device(device).type == "cuda" else "sdpa"  # the kernel needs a GPU
         for row in rows:
             for how in fused_ways:
                 with programmatic_launches(how in PDL_WAYS):
                     row[how] = measure_graph_decode(model, row["batch"], args.prompt, args.steps, compile_step=True,
-                                                    fused=fused)
+                                                    fused=fused, attention=attention)
         del fused
     for row in rows:
         for how in args.ways:
@@ -511,6 +525,8 @@ def main(argv=None):
                    help="(b) graph (eager step), (c) compiled-graph (torch.compile'd step), (a) generate, "
                         "(d) fused (c with q/k/v and gate/up fused; runs last), (e) fused-pdl (d with programmatic "
                         "dependent launches)")
+    p.add_argument("--attention", default="kernel", choices=("kernel", "sdpa"),
+                   help="the fused ways' attention on a GPU: decode_attention.py's kernel, or SDPA as the other ways")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens (a) / start position (b)")
     p.add_argument("--new-tokens", type=int, default=64, help="(a): tokens generated per timed call")

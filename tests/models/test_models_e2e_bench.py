@@ -4,6 +4,7 @@ forward, and the bench driver end to end (its GPU parts run on the H200 only).""
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -14,13 +15,17 @@ from microscale import quantize_model
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module")
-def e2e():
+def load_e2e():
     spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "bench", "e2e.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_e2e"] = module  # torch.compile (dynamo) looks the step's module up by name
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    return load_e2e()
 
 
 def tiny_float32(e2e, fmt):
@@ -169,3 +174,104 @@ def test_lm_head_formats_quantize_the_head_too(e2e):
     merged = []
     e2e.merge_rows(merged, rows)
     assert [r["format"] for r in merged] == ["bf16", "nvfp4", "nvfp4+lm_head"]
+
+
+# ---- bench/decode_attention.py: the fused ways' attention kernel ------------------------------------
+def attention_cases(device, dtype, seed: int) -> list:
+    """(max error against the float64 reference, bound, what) per case: ragged positions (0, inside and at the end
+    of a 64-position block, the last slot), groups of 1-4 query heads per KV head, batches 1-3; the cache row at
+    pos must hold the rotated key and the value, every other row must be unchanged."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from decode_attention import decode_attention, decode_attention_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    results = []
+    for batch, heads, kv_heads, head_dim, cache_len, pos in [(1, 4, 4, 16, 70, 0), (2, 4, 2, 32, 70, 63),
+                                                             (3, 8, 2, 32, 150, 64), (2, 32, 8, 128, 132, 131),
+                                                             (1, 32, 8, 128, 300, 200)]:
+        qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen)
+        angles = torch.rand(cache_len, head_dim // 2, generator=gen) * 6
+        angles = torch.cat([angles, angles], -1)
+        k_cache, v_cache = (torch.randn(batch, kv_heads, cache_len, head_dim, generator=gen) for _ in range(2))
+        qkv, cos, sin, k_cache, v_cache = (t.to(device, dtype) for t in (qkv, angles.cos(), angles.sin(), k_cache,
+                                                                           v_cache))
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        want = decode_attention_reference(qkv, cos, sin, pos, want_k, want_v, heads)
+        got = decode_attention(qkv, cos, sin, torch.tensor(pos, device=device), k_cache, v_cache, heads)
+        what = f"batch {batch}, {heads}/{kv_heads} heads of {head_dim}, pos {pos} of {cache_len}"
+        # The output is a convex combination of values: rounding the weights p (16-bit dtypes: before the
+        # p @ V dot) and the output costs eps * max|v|; the rotary in float32 against float64 can move a
+        # rounded q or k by an ulp, which moves a score by at most eps * sqrt(head_dim) * max|q_rot| * max|k|
+        # (16-bit dtypes: rarely an ulp of a q or k element, inside the factor 2)
+        eps, v_max = torch.finfo(dtype).eps, want_v[:, :, :pos + 1].abs().max().item()
+        score_err = eps * head_dim ** 0.5 * 2 * qkv.abs().max().item() * want_k.abs().max().item()
+        bound = (2 * eps + (4 * score_err if dtype == torch.float32 else 0.0)) * v_max
+        results.append(((got.double() - want).abs().max().item(), bound, what))
+        cache_err = max((k_cache.double() - want_k.double()).abs().max().item(),
+                        (v_cache.double() - want_v.double()).abs().max().item())
+        results.append((cache_err, eps * max(want_k.abs().max().item(), 1.0), what + ", caches"))
+    return results
+
+
+_ATTENTION_INTERPRETED = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, {root!r})
+import torch
+from tests.models.test_models_e2e_bench import attention_cases
+for err, bound, what in attention_cases("cpu", torch.float32, {seed}):
+    assert err <= bound, (err, bound, what)
+print("ok")
+"""
+
+
+def test_decode_attention_interpreted(seed):
+    """The kernel under Triton's interpreter (float32: the interpreter's dot takes no bf16) against transformers'
+    rotary and SDPA in float64."""
+    r = subprocess.run([sys.executable, "-c", _ATTENTION_INTERPRETED.format(root=ROOT, seed=seed)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+_DECODER_INTERPRETED = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, {root!r})
+import torch
+from tests.models import test_models_e2e_bench as t
+e2e = t.load_e2e()
+torch.manual_seed({seed})
+model = t.tiny_float32(e2e, "nvfp4")
+ids = torch.randint(0, e2e.TINY["vocab_size"], (2, 6))
+want = t.teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8), ids)
+fused = e2e.fuse_projections(model)
+dec = e2e.StaticDecoder(model, batch=2, cache_len=8, fused=fused, attention="kernel")
+for step in (None, torch.compile(dec.step, fullgraph=True, dynamic=False)):
+    got = t.teacher_forced(dec, ids, step)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+print("ok")
+"""
+
+
+def test_static_decoder_with_the_attention_kernel_interpreted(seed):
+    """StaticDecoder(attention="kernel") gives the SDPA step's logits, eager and compiled (the kernel is a custom op
+    that writes the caches)."""
+    r = subprocess.run([sys.executable, "-c", _DECODER_INTERPRETED.format(root=ROOT, seed=seed)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_gpu(seed, dtype):
+    for err, bound, what in attention_cases("cuda", dtype, seed):
+        assert err <= bound, (err, bound, what)
+
+
+def test_attention_kernel_needs_fused_projections(e2e):
+    model = tiny_float32(e2e, None)
+    with pytest.raises(ValueError, match="fused projections"):
+        e2e.StaticDecoder(model, batch=1, cache_len=8, attention="kernel")
+    with pytest.raises(ValueError, match="qkv"):
+        e2e.decode_attention(torch.zeros(1, 5), torch.zeros(8, 32), torch.zeros(8, 32), torch.tensor(0),
+                             torch.zeros(1, 2, 8, 32), torch.zeros(1, 2, 8, 32), 4)

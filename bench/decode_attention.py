@@ -1,0 +1,140 @@
+"""The decode loop's attention as one kernel: rotary embedding of q and k, the KV cache write and attention
+of one new token per sequence over its cached positions (GQA), for bench/e2e.py's fused ways.
+
+At batch 1 the decode step of a Llama-3-8B shape spent about 9 us per layer here in three kernels (Inductor's
+rotary + cache write, cuDNN's flash kernel, built for prefill, and its prologue) for a few hundred KB of cache:
+launches and latency, not bytes. One program per (sequence, KV head) does the whole of it: it rotates the G
+query heads of its group and the new key (in float32, rounded once to the cache's dtype, as Inductor's kernel
+did), writes the new key and value into the cache at `pos`, and runs an online softmax over positions
+0 .. pos - 1 read from the cache plus position pos from its registers (so it never reads back its own write).
+No split over positions: meant for the benchmark's contexts of a few hundred tokens, where 8 KV heads x batch
+programs each read all of their group's cache (at batch 1 and long contexts a split-KV kernel would be faster).
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(ptr, d, partner, sign, cos, sin, mask):
+    """x * cos + rotate_half(x) * sin in float32 for x at ptr + d (rows by the caller's offsets)."""
+    x = tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + sign * x_partner * sin
+
+
+@triton.jit
+def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
+                            stride_qkv, stride_cache_b, stride_cache_h, stride_cache_l, stride_o, sm_scale,
+                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
+                            BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    G: tl.constexpr = HQ // HKV
+    if PDL:  # qkv comes from the GEMM before this kernel
+        tl.extra.cuda.gdc_wait()
+    pos = tl.load(POS)
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D  # rotate_half: [-x2, x1]
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    cos = tl.load(COS + pos * D + d).to(tl.float32)
+    sin = tl.load(SIN + pos * D + d).to(tl.float32)
+    dtype = K_CACHE.dtype.element_ty
+
+    row = QKV + b * stride_qkv
+    g = tl.arange(0, GP)  # the group's query heads, padded to the dot's 16 rows
+    q_rows = (h * G + g)[:, None] * D
+    g_mask = (g < G)[:, None]
+    q = _rotate(row + q_rows, d[None, :], partner[None, :], sign, cos, sin, g_mask).to(dtype)
+    k = _rotate(row + HQ * D + h * D, d, partner, sign, cos, sin, d < D).to(dtype)
+    v = tl.load(row + (HQ + HKV) * D + h * D + d)
+    cache = b * stride_cache_b + h * stride_cache_h
+    tl.store(K_CACHE + cache + pos * stride_cache_l + d, k)
+    tl.store(V_CACHE + cache + pos * stride_cache_l + d, v)
+
+    # position pos from registers starts the running maximum, sum and output
+    qk_scale = sm_scale * 1.4426950408889634  # exp2
+    m_i = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
+    l_i = tl.full([GP], 1.0, tl.float32)
+    acc = tl.zeros([GP, D], tl.float32) + v.to(tl.float32)[None, :]
+    start = 0
+    while start < pos:  # not a range(): Triton's interpreter cannot take a loaded bound there (CPU tests)
+        n = start + tl.arange(0, BLOCK_N)
+        offs = cache + n[:, None] * stride_cache_l + d[None, :]
+        kv_mask = (n < pos)[:, None]
+        k_block = tl.load(K_CACHE + offs, mask=kv_mask, other=0.0)
+        v_block = tl.load(V_CACHE + offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k_block), input_precision="ieee") * qk_scale
+        s = tl.where((n < pos)[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v_block, input_precision="ieee")
+        m_i = m_new
+        start += BLOCK_N
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    o = acc / l_i[:, None]
+    tl.store(O + b * stride_o + q_rows + d[None, :], o.to(O.dtype.element_ty), mask=g_mask)
+
+
+def _check(qkv, cos, sin, pos, k_cache, v_cache, heads):
+    batch, kv_heads, cache_len, head_dim = k_cache.shape
+    width = (heads + 2 * kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape != (batch, width) or qkv.stride(1) != 1:
+        raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} must be [batch={batch}, {width}] with unit "
+                         f"column stride ({heads} query + 2 x {kv_heads} KV heads of {head_dim})")
+    if v_cache.shape != k_cache.shape or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"decode_attention: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "must be [batch, kv_heads, cache_len, head_dim] with equal strides, head_dim contiguous")
+    if heads % kv_heads or head_dim & (head_dim - 1):
+        raise ValueError(f"decode_attention: {heads} query heads over {kv_heads} KV heads of {head_dim} (a power "
+                         "of two) needed")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 2 or t.shape[1] != head_dim or not t.is_contiguous():
+            raise ValueError(f"decode_attention: {name} {tuple(t.shape)} must be a contiguous [positions, {head_dim}]")
+    if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"decode_attention: pos must be one integer, got {tuple(pos.shape)} {pos.dtype}")
+
+
+@torch.library.custom_op("microscale_bench::decode_attention", mutates_args=("k_cache", "v_cache"))
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, pdl: bool = False) -> torch.Tensor:
+    """Attention output [batch, heads * head_dim] of one new token per sequence at position `pos` (a device
+    scalar, the same for every sequence; positions above it are never read); qkv [batch, (heads + 2 *
+    kv_heads) * head_dim] are its projections before the rotary embedding, cos / sin [positions, head_dim]
+    the rotary tables. Writes the rotated key and the value into k_cache / v_cache [batch, kv_heads,
+    cache_len, head_dim] at pos. pdl: a programmatic dependent launch (Inductor's TORCHINDUCTOR_ENABLE_PDL)."""
+    _check(qkv, cos, sin, pos, k_cache, v_cache, heads)
+    batch, kv_heads, _, head_dim = k_cache.shape
+    out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    decode_attention_kernel[(batch, kv_heads)](
+        qkv, cos, sin, pos, k_cache, v_cache, out, qkv.stride(0), *k_cache.stride()[:3], out.stride(0),
+        1.0 / math.sqrt(head_dim), HQ=heads, HKV=kv_heads, D=head_dim,
+        GP=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_N=64, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out
+
+
+@decode_attention.register_fake
+def _(qkv, cos, sin, pos, k_cache, v_cache, heads, pdl=False):
+    return qkv.new_empty(k_cache.shape[0], heads * k_cache.shape[3])
+
+
+def decode_attention_reference(qkv, cos, sin, pos: int, k_cache, v_cache, heads: int) -> torch.Tensor:
+    """The same in torch (transformers' rotary and SDPA with GQA, in float64), updating the caches the same way;
+    the independent check of the kernel."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    batch, kv_heads, _, head_dim = k_cache.shape
+    q, k, v = qkv.double().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k, v = (t.view(batch, -1, 1, head_dim) for t in (q, k, v))
+    q, k = apply_rotary_pos_emb(q, k, cos[pos].double()[None], sin[pos].double()[None])
+    k_cache[:, :, pos] = k[:, :, 0].to(k_cache.dtype)
+    v_cache[:, :, pos] = v[:, :, 0].to(v_cache.dtype)
+    keys, values = k_cache[:, :, :pos + 1].double(), v_cache[:, :, :pos + 1].double()
+    o = torch.nn.functional.scaled_dot_product_attention(q.to(k_cache.dtype).double(), keys, values, enable_gqa=True)
+    return o.reshape(batch, heads * head_dim)
