@@ -7,8 +7,11 @@ launches and latency, not bytes. One program per (sequence, KV head) does the wh
 query heads of its group and the new key (in float32, rounded once to the cache's dtype, as Inductor's kernel
 did), writes the new key and value into the cache at `pos`, and runs an online softmax over positions
 0 .. pos - 1 read from the cache plus position pos from its registers (so it never reads back its own write).
-No split over positions: meant for the benchmark's contexts of a few hundred tokens, where 8 KV heads x batch
-programs each read all of their group's cache (at batch 1 and long contexts a split-KV kernel would be faster).
+Each block of cached positions loads while the one before is used, the first one before the kernel waits for
+the GEMM before it under a programmatic launch (NVFP4 step at batch 1: 2.110 -> 2.044 ms, run 22d).
+No split over positions: meant for the benchmark's contexts of a few hundred tokens (4.5 us per layer at 132
+positions, issue-bound at one warp per scheduler; at batch 1 only 8 programs run, so long contexts would want
+a split-KV kernel).
 """
 
 import math
@@ -16,6 +19,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+BLOCK_N, NUM_WARPS = 64, 4  # cached positions per loop trip; warps per program
 
 
 @triton.jit
@@ -34,16 +39,24 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
     b = tl.program_id(0)
     h = tl.program_id(1)
     G: tl.constexpr = HQ // HKV
-    if PDL:  # qkv comes from the GEMM before this kernel
-        tl.extra.cuda.gdc_wait()
-    pos = tl.load(POS)
+    dtype = K_CACHE.dtype.element_ty
     d = tl.arange(0, D)
-    partner = (d + D // 2) % D  # rotate_half: [-x2, x1]
-    sign = tl.where(d < D // 2, -1.0, 1.0)
+    n = tl.arange(0, BLOCK_N)
+    cache = b * stride_cache_b + h * stride_cache_h
+    blocks = cache + n[:, None] * stride_cache_l + d[None, :]
+    # Before the wait, under a programmatic launch: pos, the rotary tables and the first block of cached positions
+    # (below pos). No kernel of a decode step before this one writes them (pos moves, and rows are written only
+    # here, one step apart)
+    pos = tl.load(POS)
     cos = tl.load(COS + pos * D + d).to(tl.float32)
     sin = tl.load(SIN + pos * D + d).to(tl.float32)
-    dtype = K_CACHE.dtype.element_ty
+    k_block = tl.load(K_CACHE + blocks, mask=(n < pos)[:, None], other=0.0)
+    v_block = tl.load(V_CACHE + blocks, mask=(n < pos)[:, None], other=0.0)
+    if PDL:  # qkv comes from the GEMM before this kernel
+        tl.extra.cuda.gdc_wait()
 
+    partner = (d + D // 2) % D  # rotate_half: [-x2, x1]
+    sign = tl.where(d < D // 2, -1.0, 1.0)
     row = QKV + b * stride_qkv
     g = tl.arange(0, GP)  # the group's query heads, padded to the dot's 16 rows
     q_rows = (h * G + g)[:, None] * D
@@ -51,7 +64,6 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
     q = _rotate(row + q_rows, d[None, :], partner[None, :], sign, cos, sin, g_mask).to(dtype)
     k = _rotate(row + HQ * D + h * D, d, partner, sign, cos, sin, d < D).to(dtype)
     v = tl.load(row + (HQ + HKV) * D + h * D + d)
-    cache = b * stride_cache_b + h * stride_cache_h
     tl.store(K_CACHE + cache + pos * stride_cache_l + d, k)
     tl.store(V_CACHE + cache + pos * stride_cache_l + d, v)
 
@@ -62,19 +74,18 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
     acc = tl.zeros([GP, D], tl.float32) + v.to(tl.float32)[None, :]
     start = 0
     while start < pos:  # not a range(): Triton's interpreter cannot take a loaded bound there (CPU tests)
-        n = start + tl.arange(0, BLOCK_N)
-        offs = cache + n[:, None] * stride_cache_l + d[None, :]
-        kv_mask = (n < pos)[:, None]
-        k_block = tl.load(K_CACHE + offs, mask=kv_mask, other=0.0)
-        v_block = tl.load(V_CACHE + offs, mask=kv_mask, other=0.0)
+        ahead = (start + BLOCK_N + n < pos)[:, None]  # the next block loads while this one is used
+        k_next = tl.load(K_CACHE + blocks + (start + BLOCK_N) * stride_cache_l, mask=ahead, other=0.0)
+        v_next = tl.load(V_CACHE + blocks + (start + BLOCK_N) * stride_cache_l, mask=ahead, other=0.0)
         s = tl.dot(q, tl.trans(k_block), input_precision="ieee") * qk_scale
-        s = tl.where((n < pos)[None, :], s, -float("inf"))
+        s = tl.where((start + n < pos)[None, :], s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v_block, input_precision="ieee")
         m_i = m_new
+        k_block, v_block = k_next, v_next
         start += BLOCK_N
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -115,7 +126,8 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     decode_attention_kernel[(batch, kv_heads)](
         qkv, cos, sin, pos, k_cache, v_cache, out, qkv.stride(0), *k_cache.stride()[:3], out.stride(0),
         1.0 / math.sqrt(head_dim), HQ=heads, HKV=kv_heads, D=head_dim,
-        GP=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_N=64, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        GP=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_N=BLOCK_N, PDL=pdl, num_warps=NUM_WARPS,
+        launch_pdl=pdl)
     return out
 
 

@@ -28,7 +28,9 @@ in one process:
     silu(gate) * up (the decode kernels apply it in their epilogue: no kernel of its own; since session 21);
     quantize_model gives each group one NVFP4 global scale. bf16: one nn.Linear over the concatenated
     weights, then SiLU and the product (Inductor fuses them into one kernel). The separate modules are
-    removed (the weights are not held twice), so this way runs after the others of its format.
+    removed (the weights are not held twice), so this way runs after the others of its format. Attention
+    (since session 22; --attention sdpa for the former): rotary, cache write and attention in one kernel
+    (bench/decode_attention.py) instead of Inductor's rotary kernel and SDPA, for every format alike.
 (e) fused-pdl: (d) with programmatic dependent launches for Inductor's kernels and microscale's decode
     kernels ((d) has both off): a kernel starts while the one before it finishes, Inductor's release the
     next kernel after their loads, ours load their first weight tiles before they wait for x; cuBLAS (bf16,
