@@ -102,6 +102,10 @@ def _check(qkv, cos, sin, pos, k_cache, v_cache, heads):
     if v_cache.shape != k_cache.shape or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError(f"decode_attention: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
                          "must be [batch, kv_heads, cache_len, head_dim] with equal strides, head_dim contiguous")
+    if qkv.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype or len({t.device for t in (qkv, cos, sin, pos,
+                                                                                           k_cache, v_cache)}) > 1:
+        raise ValueError(f"decode_attention: qkv ({qkv.dtype}, {qkv.device}) and the caches ({k_cache.dtype}, "
+                         f"{v_cache.dtype}) must share a dtype, and all tensors one device")
     if heads % kv_heads or head_dim & (head_dim - 1):
         raise ValueError(f"decode_attention: {heads} query heads over {kv_heads} KV heads of {head_dim} (a power "
                          "of two) needed")

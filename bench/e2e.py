@@ -150,8 +150,9 @@ class StaticDecoder:
         m = self.model.model
         batch = self.tokens.shape[0]
         p = self.pos.view(1)
-        cos, sin = self.cos.index_select(1, p), self.sin.index_select(1, p)
-        mask = (self.slots <= self.pos).view(1, 1, 1, -1)
+        if self.attention == "sdpa":  # the kernel reads the tables and the position itself
+            cos, sin = self.cos.index_select(1, p), self.sin.index_select(1, p)
+            mask = (self.slots <= self.pos).view(1, 1, 1, -1)
         h = m.embed_tokens(self.tokens)
         for i, (layer, k_cache, v_cache) in enumerate(zip(m.layers, self.k, self.v)):
             a = layer.self_attn

@@ -275,3 +275,6 @@ def test_attention_kernel_needs_fused_projections(e2e):
     with pytest.raises(ValueError, match="qkv"):
         e2e.decode_attention(torch.zeros(1, 5), torch.zeros(8, 32), torch.zeros(8, 32), torch.tensor(0),
                              torch.zeros(1, 2, 8, 32), torch.zeros(1, 2, 8, 32), 4)
+    with pytest.raises(ValueError, match="share a dtype"):
+        e2e.decode_attention(torch.zeros(1, 256), torch.zeros(8, 32), torch.zeros(8, 32), torch.tensor(0),
+                             torch.zeros(1, 2, 8, 32, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 32), 4)
