@@ -157,13 +157,14 @@ class StaticDecoder:
         for i, (layer, k_cache, v_cache) in enumerate(zip(m.layers, self.k, self.v)):
             a = layer.self_attn
             x = layer.input_layernorm(h)
+            qkv, gated = self.fused[i] if self.fused else (None, None)
             if self.attention == "kernel":
-                o = decode_attention(self.fused[i][0](x).view(batch, -1), self.cos[0], self.sin[0], self.pos,
+                o = decode_attention(qkv(x).view(batch, -1), self.cos[0], self.sin[0], self.pos,
                                      k_cache, v_cache, self.heads, x.is_cuda and programmatic_launch(x.device))
                 o = o.view(batch, 1, -1)
             else:
                 if self.fused:
-                    q, k, v = self.fused[i][0](x).split([self.q_size, self.kv_size, self.kv_size], -1)
+                    q, k, v = qkv(x).split([self.q_size, self.kv_size, self.kv_size], -1)
                 else:
                     q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
                 q, k, v = (t.view(batch, 1, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
@@ -175,7 +176,7 @@ class StaticDecoder:
             h = h + a.o_proj(o)
             x = layer.post_attention_layernorm(h)
             if self.fused:
-                h = h + layer.mlp.down_proj(self.fused[i][1](x))
+                h = h + layer.mlp.down_proj(gated(x))
             else:
                 h = h + layer.mlp(x)
         logits = self.model.lm_head(m.norm(h))[:, -1]

@@ -181,7 +181,8 @@ def attention_cases(device, dtype, seed: int) -> list:
     """(max error against the float64 reference, bound, what) per case: ragged positions (0, inside and at the end
     of a 64-position block, the last slot), groups of 1-4 query heads per KV head, batches 1-3; the cache row at
     pos must hold the rotated key and the value, every other row must be unchanged."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    if os.path.join(ROOT, "bench") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
     from decode_attention import decode_attention, decode_attention_reference
 
     gen = torch.Generator().manual_seed(seed)
