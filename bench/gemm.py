@@ -14,6 +14,7 @@ sweep (--sweep) and the large-M alternatives (dequant+cuBLAS full or chunked, FP
 """
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -102,7 +103,8 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         rec = {"format": fmt, "M": m, "N": n, "K": k}
         opts = {"fp8_activations": True} if kernels == "fp8" else {}
-        kernel = kernels or sm90.choose_kernel(fmt, m, opts, x.dtype, torch.cuda.get_device_capability(), n, k=k)
+        kernel = kernels or sm90.choose_kernel(fmt, m, opts, x.dtype, torch.cuda.get_device_capability(), n, k=k,
+                                               programmatic=paths.programmatic_launch(x.device))
         rec["backend"] = f"sm90:{kernel}"
         reps = dict(replays=10, calls=8) if m <= 64 else dict(replays=5, calls=2)  # long calls: fewer
         # ours and cuBLAS bf16 timed twice, interleaved, each keeping its faster run, so one
@@ -178,13 +180,15 @@ def bench_quantize(m=8192, k=8192, formats=FORMATS, tiles=(None,)):
 
 
 def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
-    """Time tile configurations (DecodeConfig, WgmmaConfig, WsConfig or DequantConfig fields) of the decode,
-    wgmma, wgmma_ws or dequantize (+ cuBLAS) path."""
+    """Time tile configurations (DecodeConfig, WgmmaConfig, WsConfig, RingConfig or DequantConfig fields) of the
+    decode, wgmma, wgmma_ws, decode_ws or dequantize (+ cuBLAS) path. decode_ws: the fields replace those of
+    ring_config's choice for each M."""
     from microscale.kernels import sm90
-    from microscale.kernels.sm90 import launch as paths
+    from microscale.kernels.sm90 import decode_ws, launch as paths
     from microscale.kernels.sm90 import wgmma_ws
     from microscale.kernels.sm90.decode import FMT_CODE
     config_class, run = {"decode": (paths.DecodeConfig, paths.decode_gemm),
+                         "decode_ws": (decode_ws.RingConfig, decode_ws.decode_ws_gemm),
                          "wgmma": (paths.WgmmaConfig, paths.wgmma_gemm),
                          "wgmma_ws": (wgmma_ws.WsConfig, wgmma_ws.wgmma_ws_gemm),
                          "dequant": (paths.DequantConfig, lambda *a: paths.dequant_gemm(*a[:-1], cfg=a[-1]))}[kernel]
@@ -196,13 +200,16 @@ def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         # every tile must give the default tile's output (up to fp32 summation order): a fast wrong tile
         # is caught here, not after it became the default
-        expected = run(x, *prep, None, FMT_CODE[fmt], n, k, config_class()).float()
+        default = decode_ws.ring_config(m, n, k, FMT_CODE[fmt]) if kernel == "decode_ws" else config_class()
+        expected = run(x, *prep, None, FMT_CODE[fmt], n, k, default).float()
         for c in configs:
-            cfg = config_class(**c)
+            cfg = dataclasses.replace(default, **c) if kernel == "decode_ws" else config_class(**c)
             if kernel == "decode" and (cfg.block_m > max(8, 2 * m) or cfg.reps % cfg.parts):  # smaller: several m tiles
                 continue
-            rec = {"op": "sweep", "kernel": kernel, "format": fmt, "M": m, "N": n, "K": k, **c, "us": None,
-                   "rel_diff_vs_default": None}
+            if kernel == "decode_ws" and cfg.threads > 1024:
+                continue
+            rec = {"op": "sweep", "kernel": kernel, "format": fmt, "M": m, "N": n, "K": k, **dataclasses.asdict(cfg),
+                   "us": None, "rel_diff_vs_default": None}
             try:
                 got = run(x, *prep, None, FMT_CODE[fmt], n, k, cfg).float()
                 rec["rel_diff_vs_default"] = ((got - expected).norm() / expected.norm()).item()
@@ -475,7 +482,9 @@ def main():
                 best.setdefault(key, []).append(r)
         for key, rs in best.items():
             rs.sort(key=lambda r: r["us"])
-            print(key, [(r["block_m"], r["reps"], r["unroll"], r["ctas_per_sm"], round(r["us"], 1)) for r in rs[:4]],
+            tile = ("block_m", "reps", "unroll", "ctas_per_sm") if rs[0]["kernel"] == "decode" else \
+                ("groups", "split", "k_warps", "stages")
+            print(key, rs[0]["kernel"], tile, [(*(r.get(f) for f in tile), round(r["us"], 1)) for r in rs[:4]],
                   "worst", round(rs[-1]["us"], 1))
         return
     if args.table:

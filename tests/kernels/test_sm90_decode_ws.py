@@ -6,6 +6,7 @@ tiling rule (ring_config, ring_wins) gives what it says.
 The kernel's numerics run on the H200: tests/kernels/test_sm90_gemm.py (marked gpu).
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -17,11 +18,15 @@ from microscale.kernels import nvrtc  # noqa: E402
 from microscale.kernels.sm90 import decode_ws as D  # noqa: E402
 from microscale.kernels.sm90.decode import FMT_CODE  # noqa: E402
 
-# ring_config's choices for the benchmark's weights, and the tilings of test_sm90_gemm.py
-CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1), D.RingConfig(groups=8, split=2),
+# ring_config's choices for the benchmark's weights (two consumer warps per row group up to M = 8), and the tilings
+# of test_sm90_gemm.py
+CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1, k_warps=2), D.RingConfig(groups=8, split=2, k_warps=2),
+           D.RingConfig(block_m=16, groups=14, steps=4, stages=3, split=1),
            D.RingConfig(block_m=16, groups=4, split=1), D.RingConfig(steps=2, stages=2, split=1),
            D.RingConfig(groups=5, steps=2, split=2), D.RingConfig(block_m=16, groups=4, steps=2, stages=3, split=3),
-           D.RingConfig(block_m=16, groups=16, steps=2, stages=4, split=1))
+           D.RingConfig(block_m=16, groups=16, steps=2, stages=4, split=1),
+           D.RingConfig(groups=3, steps=4, stages=2, split=2, k_warps=4),
+           D.RingConfig(groups=5, steps=2, stages=4, split=1, k_warps=2))
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +40,15 @@ def build(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", list(FMT_CODE))
-@pytest.mark.parametrize("cfg", CONFIGS,
-                         ids=lambda c: f"bm{c.block_m}-g{c.groups}-s{c.steps}-st{c.stages}-split{c.split}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-g{c.groups}-kw{c.k_warps}-s{c.steps}-"
+                                                    f"st{c.stages}-split{c.split}")
 def test_sass_holds_the_ring(build, fmt, cfg):
     compiled, sass, resources = build
     code = sass[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg)]]
-    # the consumer's stage: per K step 4 slices of 16, each with block_m / 8 MMAs of 8 activation rows
-    assert len(re.findall(r"HMMA\.16816\.F32\.BF16", code)) == 4 * cfg.steps * cfg.block_m // 8
+    # a consumer warp's stage: steps / k_warps K steps, each 4 slices of 16 with block_m / 8 MMAs of 8 activation rows
+    assert len(re.findall(r"HMMA\.16816\.F32\.BF16", code)) == 4 * cfg.steps // cfg.k_warps * cfg.block_m // 8
+    # partials go through shared memory (16-byte stores) to the row group's first warp or the cluster's peers
+    assert ("STS.128" in code) == (cfg.k_warps > 1 or cfg.split > 1)
     assert "UTMALDG.2D" in code and "UTMALDG.3D" in code and "UTMALDG.4D" in code  # x, scales, words
     assert "UTMACCTL.PF" in code  # the maps (kernel parameters) prefetched
     for op in ("SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT"):
@@ -102,8 +109,11 @@ def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkey
     (4096, 4096 + 128, "nvfp4", D.RingConfig(groups=4, steps=2, stages=8, split=2)),  # 66 steps: 2 per stage
 ])
 def test_ring_config_fills_the_sms_with_one_cta_each(n, k, fmt, want):
-    assert D.ring_config(1, n, k, FMT_CODE[fmt]) == want
-    assert D.ring_config(16, n, k, FMT_CODE[fmt]).block_m == 16
+    """want: the tiling at M = 1 but for its two consumer warps per row group (up to M = 8); at M = 16 one warp."""
+    for m in (1, 8):
+        assert D.ring_config(m, n, k, FMT_CODE[fmt]) == dataclasses.replace(want, k_warps=2)
+    wide = D.ring_config(16, n, k, FMT_CODE[fmt])
+    assert (wide.block_m, wide.k_warps, wide.groups, wide.split) == (16, 1, want.groups, want.split)
 
 
 def test_ring_config_never_launches_more_ctas_than_sms(seed):
@@ -117,7 +127,8 @@ def test_ring_config_never_launches_more_ctas_than_sms(seed):
             assert -(-groups // cfg.groups) * cfg.split <= 132 and 4 <= cfg.groups <= 16 and cfg.split in D.SPLITS
         else:  # taller than 16 row groups per SM: several waves, and ring_wins leaves it to the Triton kernel
             assert (cfg.groups, cfg.split) == (16, 1) and not D.ring_wins(fmt_code, 1, n, k)
-        assert cfg.smem_bytes(fmt_code) <= 227 * 1024 and (D.padded_shape(n, k)[1] // 64) % cfg.steps == 0
+            assert cfg.k_warps == 1  # 2 x 16 consumer warps and the producer: more than 1024 threads
+        assert cfg.threads <= 1024 and cfg.smem_bytes(fmt_code) <= 227 * 1024 and (D.padded_shape(n, k)[1] // 64) % cfg.steps == 0
 
 
 def test_ring_wins_where_measured():
@@ -131,6 +142,13 @@ def test_ring_wins_where_measured():
     assert not D.ring_wins(FMT_CODE["nvfp4"], 17, 28672, 8192)  # M <= 16 only
     assert not D.ring_wins(FMT_CODE["nvfp4"], 16, 512, 512)  # 4 CTAs: most SMs idle
     assert not D.ring_wins(FMT_CODE["mxfp8"], 16, 28672, 8192, sms=2048)  # at most 896 CTAs (4 groups, split 2)
+    # under programmatic launches also FP4 at M <= 8 on weights of at most PDL_SMALL_WEIGHT elements
+    pdl = {(f, n, k): [m for m in (1, 2, 8, 9, 16) if D.ring_wins(FMT_CODE[f], m, n, k, programmatic=True)]
+           for f, _, _ in wins for n, k in ((28672, 8192), (8192, 8192), (4096, 4096), (4096, 14336), (6144, 4096))}
+    assert pdl[("nvfp4", 4096, 4096)] == [1, 2, 8, 9, 16]
+    assert pdl[("nvfp4", 4096, 14336)] == pdl[("nvfp4", 6144, 4096)] == [1, 2, 8]
+    assert all(pdl[("nvfp4", n, k)] == wins[("nvfp4", n, k)] for n, k in ((28672, 8192), (8192, 8192)))
+    assert all(pdl[("mxfp8", n, k)] == wins[("mxfp8", n, k)] for n, k in ((28672, 8192), (8192, 8192), (4096, 4096)))
 
 
 def test_x_it_cannot_take_is_refused():
@@ -141,6 +159,9 @@ def test_x_it_cannot_take_is_refused():
         assert not D.supports(x)
         with pytest.raises(ValueError, match="decode_ws: x must be bf16"):
             D.decode_ws_gemm(x, None, None, None, None, 0, 128, x.shape[1])
+    with pytest.raises(ValueError, match="k_warps does not divide"):
+        D.decode_ws_gemm(torch.zeros(1, 256, dtype=torch.bfloat16), None, None, None, None, 0, 128, 256,
+                         D.RingConfig(steps=2, k_warps=4))
     with pytest.raises(ValueError, match="cannot run M=9"):
         D.decode_ws_gemm(torch.zeros(9, 64, dtype=torch.bfloat16), None, None, None, None, 0, 128, 64,
                          D.RingConfig(block_m=8))

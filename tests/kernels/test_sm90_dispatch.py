@@ -21,6 +21,12 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, dtype=torch.float16) == "decode"
     assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, cc=(8, 0)) == "decode"
     assert sm90.choose_kernel("nvfp4", 4, {}, n=4096, k=14336) == "decode"
+    # under programmatic launches the ring also takes FP4 at M <= 8 on the small weights (decode_ws.PDL_SMALL_WEIGHT)
+    assert sm90.choose_kernel("nvfp4", 4, {}, n=4096, k=14336, programmatic=True) == "decode_ws"
+    assert sm90.choose_kernel("mxfp4", 1, {}, n=6144, k=4096, programmatic=True) == "decode_ws"
+    assert sm90.choose_kernel("mxfp8", 1, {}, n=6144, k=4096, programmatic=True) == "decode"
+    assert sm90.choose_kernel("nvfp4", 1, {}, n=8192, k=8192, programmatic=True) == "decode"
+    assert sm90.choose_kernel("nvfp4", 1, {}, n=4096, k=4096, programmatic=True, tma_ready=False) == "decode"
     assert sm90.choose_kernel("mxfp8", 4, {}, n=28672, k=8192) == "decode"
     assert sm90.choose_kernel("mxfp8", 8, {}, n=28672, k=8192) == "decode_ws"
     assert sm90.choose_kernel("mxfp8", 8, {}, n=28672, k=8192, sms=2048) == "decode"  # too few tiles to fill

@@ -115,10 +115,20 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
         _check(y, y64, mag, k, torch.bfloat16)
 
 
-# decode_ws tilings: ring_config's, a 2-stage ring that wraps, ragged row tiles (5 groups over 8 or 63 row groups),
-# split-K over clusters of 2 and 3 (K = 256: 4 steps, so 2 + 2 or 2 + 2 + 0), 16 groups (17 warps)
+# decode_ws tilings: ring_config's (two consumer warps per row group up to M = 8), a 2-stage ring that wraps, ragged
+# row tiles (5 groups over 8 or 63 row groups), split-K over clusters of 2 and 3 (K = 256: 4 steps, so 2 + 2 or
+# 2 + 2 + 0), 16 groups (17 warps), two and four warps per row group (the latter where K has a multiple of 4 steps)
 RING_CONFIGS = [None, dict(steps=2, stages=2, split=1), dict(groups=5, steps=2, stages=4, split=2),
-                dict(groups=4, steps=2, stages=3, split=3), dict(groups=16, steps=2, stages=4, split=1)]
+                dict(groups=4, steps=2, stages=3, split=3), dict(groups=16, steps=2, stages=4, split=1),
+                dict(groups=5, steps=2, stages=2, split=2, k_warps=2), dict(groups=3, steps=4, stages=2, split=2, k_warps=4)]
+
+
+def _ring_configs(m, k):
+    """RING_CONFIGS as RingConfigs (None: ring_config's) for M rows and K, those whose stage divides K's steps."""
+    from dataclasses import replace
+    from microscale.kernels.sm90 import decode_ws as D
+    configs = [None if f is None else replace(D.RingConfig(**f), block_m=8 if m <= 8 else 16) for f in RING_CONFIGS]
+    return [c for c in configs if c is None or (padded_shape(1, k)[1] // 64) % c.steps == 0]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -127,13 +137,11 @@ RING_CONFIGS = [None, dict(steps=2, stages=2, split=1), dict(groups=5, steps=2, 
 def test_decode_ws_kernel(fmt, m, n, k, seed):
     """The TMA-ring decode kernel in the tilings above, 8 activation rows up to M = 8 and 16 above; K = 224
     (padded to 256) and 2080 (padded to 2176: 34 steps, so 2 per stage) end partway into a stage's x box."""
-    from dataclasses import replace
     from microscale.kernels.sm90 import decode_ws as D, prepare
     from microscale.kernels.sm90.decode import FMT_CODE
     x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
     prep = prepare(q)
-    for fields in RING_CONFIGS:
-        cfg = None if fields is None else replace(D.RingConfig(**fields), block_m=8 if m <= 8 else 16)
+    for cfg in _ring_configs(m, k):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         D.decode_ws_gemm(x, *prep, b, FMT_CODE[fmt], n, k, cfg, out=y)
         _check(y, y64, mag, k, torch.bfloat16)
@@ -185,13 +193,11 @@ def test_decode_kernel_gated_epilogue(fmt, m, n, k, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,n,k", [(1, 104, 160 + 64), (5, 504, 96 * 8), (16, 320, 2048 + 32)])
 def test_decode_ws_kernel_gated_epilogue(fmt, m, n, k, seed):
-    from dataclasses import replace
     from microscale.kernels.sm90 import decode_ws as D, prepare
     from microscale.kernels.sm90.decode import FMT_CODE
     x, q, b, want, bound = _gated_case(fmt, m, n, k, seed)
     prep = prepare(q)
-    for fields in RING_CONFIGS:
-        cfg = None if fields is None else replace(D.RingConfig(**fields), block_m=8 if m <= 8 else 16)
+    for cfg in _ring_configs(m, k):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         D.decode_ws_gemm(x, *prep, b, FMT_CODE[fmt], 2 * n, k, cfg, out=y, gated=True)
         _check_gated(y, want, bound)
@@ -236,7 +242,8 @@ def _write_late(src, dst, n, SLEEPS: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
 
 
-@pytest.mark.parametrize("kernel,m,n", [("decode", 1, 1000), ("decode", 8, 4096), ("decode_ws", 4, 8192)])
+@pytest.mark.parametrize("kernel,m,n", [("decode", 1, 1000), ("decode", 8, 4096), ("decode_ws", 4, 8192),
+                                        ("decode_ws", 1, 4096)])
 def test_programmatic_launch_reads_x_only_after_the_kernel_that_writes_it(kernel, m, n, seed, monkeypatch):
     """As programmatic dependent launches (MICROSCALE_PDL=1) the decode kernels start beside the kernel before
     them; here that kernel releases them at once and writes x about 20 us later over NaNs. A kernel that read

@@ -7,8 +7,11 @@
 // shared-memory ring by TMA, so the bytes in flight do not cost registers. Each consumer warp owns one
 // row group (16 weight rows): per K step it reads its 16 bytes of words and 2 of scales from the ring,
 // decodes them (decode.py's PTX, generated into wgmma_ws.cuh's helpers) and issues mma.sync m16n8k16 with
-// the weights as A and x as B, as the Triton kernel does. Split-K over the CTAs of a cluster, the
-// partials summed through distributed shared memory in rank order. With GATED the weight holds gate/up row
+// the weights as A and x as B, as the Triton kernel does. With KW > 1, KW consumer warps share a row group,
+// warp p taking the K steps s = p mod KW of each stage, and their partials are summed through shared memory
+// in warp order: small weights give an SM few row groups, and one warp per scheduler leaves the decode's
+// latency exposed. Split-K over the CTAs of a cluster, the partials summed through distributed shared
+// memory in rank order. With GATED the weight holds gate/up row
 // pairs (kernels/gated.py: rows g and g + 8 of a row group, one thread's two accumulator halves) and y gets
 // silu(gate) * up, N / 2 columns.
 //
@@ -68,12 +71,15 @@ __device__ __forceinline__ void ring_step(float (&acc)[BM / 2], u32 w_addr, u32 
   }
 }
 
-template <int FMT, int BM, int RGS, int STEPS, int STAGES, int SPLIT, int GATED>
-__global__ void __launch_bounds__((RGS + 1) * 32)
+template <int FMT, int BM, int RGS, int KW, int STEPS, int STAGES, int SPLIT, int GATED>
+__global__ void __launch_bounds__((RGS * KW + 1) * 32)
 decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__ TensorMap data_tmap,
                const __grid_constant__ TensorMap scale_tmap, const float* __restrict__ row_mult,
                const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int steps) {
   using L = RingSmem<FMT, BM, RGS, STEPS, STAGES>;
+  static_assert(STEPS % KW == 0, "a stage's K steps are shared out among the KW warps of a row group");
+  static_assert(RGS * KW * 32 * L::ACC * 4 <= L::FULL_OFF, "the partials must fit in the ring");
+  constexpr int CONSUMERS = RGS * KW;
   extern __shared__ unsigned char smem_raw[];
   const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
   const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF;
@@ -83,12 +89,12 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
   const int kt0 = part * steps;
   const int stages_mine = max(0, min(KT - kt0, steps)) / STEPS;  // steps and KT are multiples of STEPS
 
-  init_ring_barriers(full, empty, STAGES, RGS);
+  init_ring_barriers(full, empty, STAGES, CONSUMERS);
 
   float acc[L::ACC];
 #pragma unroll
   for (int i = 0; i < L::ACC; ++i) acc[i] = 0.0f;
-  if (warp == RGS) {
+  if (warp == CONSUMERS) {
     if (lane == 0) {
       prefetch_tensormap(&x_tmap);
       prefetch_tensormap(&data_tmap);
@@ -124,14 +130,16 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
   } else {
     wait_prior_grid();  // and the consumers store y, which the kernel before this one may still read
     const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (lane % 4) / 2;
+    const int group = warp % RGS, kw = warp / RGS;
     for (int i = 0; i < stages_mine; ++i) {
       const int stage = i % STAGES;
       const u32 base = smem + stage * L::STAGE;
       mbar_wait(full + 8 * stage, (i / STAGES) & 1);
 #pragma unroll
-      for (int s = 0; s < STEPS; ++s) {
-        const u32 words = base + L::X_BYTES + (warp * STEPS + s) * DATA_BYTES<FMT> + lane * (DATA_BYTES<FMT> / 32);
-        const u32 scales = base + L::X_BYTES + L::W_BYTES + (warp * STEPS + s) * SCALE_BYTES<FMT> + scale_lane * 2;
+      for (int j = 0; j < STEPS / KW; ++j) {
+        const int s = kw + j * KW;
+        const u32 words = base + L::X_BYTES + (group * STEPS + s) * DATA_BYTES<FMT> + lane * (DATA_BYTES<FMT> / 32);
+        const u32 scales = base + L::X_BYTES + L::W_BYTES + (group * STEPS + s) * SCALE_BYTES<FMT> + scale_lane * 2;
         ring_step<FMT, BM>(acc, words, scales, base + s * L::X_STEP);
       }
       __syncwarp();
@@ -143,15 +151,34 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
 
   // acc[4 j + 2 h + c]: weight row 16 warp + g + 8 h of the tile, activation row 8 j + 2 t + c
   bool mine = warp < RGS;
-  if constexpr (SPLIT > 1) {
-    __syncthreads();  // every consumer is done with the ring: it takes the partials
-    const u32 partial = smem + (warp * 32 + lane) * (4 * L::ACC);
-    if (warp < RGS) {
+  const u32 partial = smem + (warp * 32 + lane) * (4 * L::ACC);
+  auto store_partial = [&]() {
 #pragma unroll
-      for (int i = 0; i < L::ACC; i += 4)
-        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(partial + 4 * i), "f"(acc[i]), "f"(acc[i + 1]),
-                     "f"(acc[i + 2]), "f"(acc[i + 3]) : "memory");
+    for (int i = 0; i < L::ACC; i += 4)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(partial + 4 * i), "f"(acc[i]), "f"(acc[i + 1]),
+                   "f"(acc[i + 2]), "f"(acc[i + 3]) : "memory");
+  };
+  if constexpr (KW > 1) {
+    __syncthreads();  // every consumer is done with the ring: it takes the partials
+    if (warp < CONSUMERS && warp >= RGS) store_partial();
+    __syncthreads();
+    if (mine) {  // the row group's first warp adds the others' partials in warp order
+#pragma unroll
+      for (int p = 1; p < KW; ++p) {
+#pragma unroll
+        for (int i = 0; i < L::ACC; i += 4) {
+          float v[4];
+          asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                       : "r"(partial + p * RGS * 32 * 4 * L::ACC + 4 * i) : "memory");
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i + j] += v[j];
+        }
+      }
     }
+  }
+  if constexpr (SPLIT > 1) {
+    if constexpr (KW == 1) __syncthreads();  // every consumer is done with the ring: it takes the partials
+    if (mine) store_partial();
     cluster_sync();
     mine = warp < RGS && warp % SPLIT == part;  // each CTA sums and stores the rows of RGS / SPLIT warps
     if (mine) {

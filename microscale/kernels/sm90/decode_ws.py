@@ -24,6 +24,10 @@ ARCH = "sm_90a"
 MAX_M = 16
 SPLITS = (1, 2)  # K parts per tile (a cluster); larger clusters of one CTA per SM do not all fit at once
 MIN_FILL = 0.85  # ring_wins: ring_config's tiling must give at least this fraction of the SMs a CTA
+MAX_WARPS = 32  # 1024 threads per CTA
+# ring_wins under programmatic launches: FP4 weights up to this many elements at M <= 8 (the Llama-8B decoder's
+# q/k/v, o and down projections)
+PDL_SMALL_WEIGHT = 4096 * 14336
 MAX_STAGE_BYTES = 48 * 1024
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 # Shared memory asked for under a programmatic dependent launch: two CTAs sharing an SM (the next call's,
@@ -38,10 +42,11 @@ class RingConfig:
     steps: int = 4  # K steps of 64 per ring stage
     stages: int = 4
     split: int = 1  # K parts per tile: the CTAs of a cluster
+    k_warps: int = 1  # consumer warps per row group, each taking every k_warps-th K step of a stage
 
     @property
     def threads(self) -> int:
-        return 32 * (self.groups + 1)  # + the producer warp
+        return 32 * (self.groups * self.k_warps + 1)  # + the producer warp
 
     def stage_bytes(self, fmt_code: int) -> int:
         """x, words and scales of one stage, rounded up to 1024 bytes (x's swizzled boxes stay aligned)."""
@@ -62,7 +67,13 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
     hold, 2 to 16 K steps in all.
     The choices the H200 sweeps of session 18 found fastest (bench/results/sweep_h200.json, runs 18c-18e):
     28672x8192 and 28672x4096 14 groups, split 1; 8192x8192 and 8192x28672 8 groups, split 2 (MXFP8: 4,
-    split 1); 6144x4096 6, split 2; 4096x4096 4, split 2."""
+    split 1); 6144x4096 6, split 2; 4096x4096 4, split 2.
+    Up to M = 8 two consumer warps per row group (k_warps), where the CTA holds at most 15 row groups: one warp
+    per scheduler leaves its decode's latency exposed. Session 23 (bench/gemm.py --sweep --kernel decode_ws,
+    sweep_h200.json runs 23e/23f): NVFP4 M = 1 28672x8192 39.6 -> 36.9 us, 8192x28672 38.6 -> 35.6, 28672x4096
+    22.1 -> 20.7, M = 2 40.0 -> 37.1 and 39.0 -> 35.9; MXFP8 M = 1 8192x28672 65.1 -> 58.9; M = 4-8 level
+    (within 1%), 8192x8192 level; at M = 16 one warp stays 1-5% faster. Four warps per row group measured
+    slower than two on every weight tried."""
     groups_total = padded_shape(n, k)[0] // ROW_GROUP
     kt = padded_shape(n, k)[1] // K_STEP
     prefer = 4 if fmt_code == 2 else 8
@@ -73,7 +84,9 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
             if ctas <= sms and (best[0] is None or (ctas, -abs(groups - prefer)) > best[0]):
                 best = (ctas, -abs(groups - prefer)), groups, split
     _, groups, split = best
-    cfg = RingConfig(block_m=8 if m <= 8 else 16, groups=groups, steps=4, stages=4, split=split)
+    block_m = 8 if m <= 8 else 16
+    k_warps = 2 if block_m == 8 and 2 * groups + 1 <= MAX_WARPS else 1
+    cfg = RingConfig(block_m=block_m, groups=groups, steps=4, stages=4, split=split, k_warps=k_warps)
     if kt % 4 or cfg.stage_bytes(fmt_code) > MAX_STAGE_BYTES:
         cfg = replace(cfg, steps=2)
     return replace(cfg, stages=max(2, min(16 // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))))
@@ -85,7 +98,7 @@ def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
     return MIN_FILL * sms <= ctas <= sms
 
 
-def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
+def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, programmatic: bool = False) -> bool:
     """Whether this kernel (ring_config's tiling) runs M <= 16 faster than the Triton decode kernel, from the
     interleaved A/B of session 18 on 7 weights, 3 formats, M = 1-16 (sweep_h200.json run 18f; bf16 x):
     - FP4 on weights of 8192 rows or more from M = 2 (level at M = 1 there: 8192x8192 13.9 us either way;
@@ -95,11 +108,19 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
       one tile in flight, is up to 8% faster on the large weights).
     Elsewhere (FP4 6144x4096 and 4096x14336: 4-6 consumer warps per SM) the Triton kernel's finer split
     wins by 4-21%. Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one
-    wave (fills)."""
+    wave (fills).
+    programmatic (the calls go out as programmatic dependent launches, launch.programmatic_launch): also FP4
+    at M <= 8 on weights of at most PDL_SMALL_WEIGHT elements, with two consumer warps per row group (session
+    23, bench/pdl_chain.py: 32 weights back to back in a graph, programmatic launches; NVFP4 M = 1 6144x4096
+    7.78 -> 6.74 us, 4096x4096 6.53 -> 5.50, 4096x14336 12.62 -> 11.92; MXFP4 alike; M = 2-8 by as much or
+    more). Without programmatic launches these weights were not measured against the Triton kernel with two
+    warps per row group."""
     if m > MAX_M or not fills(ring_config(m, n, k, fmt_code, sms), n, k, sms):
         return False
     if fmt_code == 2:
         return m >= 8
+    if programmatic and m <= 8 and n * k <= PDL_SMALL_WEIGHT:
+        return True
     return (n >= 8192 and (m >= 2 or n >= 16384)) or (m >= 9 and n * k <= 4096 * 4096)
 
 
@@ -108,8 +129,8 @@ def source() -> str:
 
 
 def name_expression(fmt_code: int, cfg: RingConfig, gated: bool = False) -> str:
-    return (f"ms90::decode_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.groups}, {cfg.steps}, {cfg.stages}, {cfg.split}, "
-            f"{int(gated)}>")
+    return (f"ms90::decode_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.groups}, {cfg.k_warps}, {cfg.steps}, {cfg.stages}, "
+            f"{cfg.split}, {int(gated)}>")
 
 
 @lru_cache(maxsize=None)
@@ -145,9 +166,9 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
         cfg = ring_config(m, n, k, fmt_code, sm_count(device_index(x.device)))
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
-    if m > cfg.block_m or kt % cfg.steps or cfg.split not in range(1, 9):
-        raise ValueError(f"decode_ws: {cfg} cannot run M={m} (block_m) on K={kp} ({kt} steps of {K_STEP}), or its "
-                         f"split is not a cluster size of 1-8")
+    if m > cfg.block_m or kt % cfg.steps or cfg.split not in range(1, 9) or cfg.steps % cfg.k_warps:
+        raise ValueError(f"decode_ws: {cfg} cannot run M={m} (block_m) on K={kp} ({kt} steps of {K_STEP}), its "
+                         f"split is not a cluster size of 1-8, or k_warps does not divide the steps per stage")
     if gated and n % (2 * PAIR_ROWS):
         raise ValueError(f"decode_ws: the gated epilogue needs N = {n} a multiple of {2 * PAIR_ROWS}")
     device = device_index(x.device)
