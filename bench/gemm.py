@@ -89,6 +89,7 @@ def _weights(n, k, fmt, seed):
 def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
     """Records for one format and (N, K) over the M values."""
     from microscale.kernels import sm90
+    from microscale.kernels.sm90 import launch as paths
     w, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
     nbytes_q = sum(t.numel() * t.element_size() for t in prep)
