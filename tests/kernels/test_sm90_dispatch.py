@@ -21,6 +21,7 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, dtype=torch.float16) == "decode"
     assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, cc=(8, 0)) == "decode"
     assert sm90.choose_kernel("nvfp4", 4, {}, n=4096, k=14336) == "decode"
+    assert sm90.choose_kernel("nvfp4", 1, {}, n=4096, k=4096) == "decode_ws"  # weights of at most 4096 x 4096
     # under programmatic launches the ring also takes FP4 at M <= 8 on the small weights (decode_ws.PDL_SMALL_WEIGHT)
     assert sm90.choose_kernel("nvfp4", 4, {}, n=4096, k=14336, programmatic=True) == "decode_ws"
     assert sm90.choose_kernel("mxfp4", 1, {}, n=6144, k=4096, programmatic=True) == "decode_ws"
@@ -35,7 +36,6 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("nvfp4", 17, {"kernel": "decode_ws"}, n=28672, k=8192) == "decode"
     assert sm90.choose_kernel("nvfp4", 512, {"kernel": "decode_ws"}, n=28672, k=8192) == "wgmma_ws"
     # M = 9-32 otherwise: the register-A wgmma on small weights and for MXFP8 at M > 16 with N >= K
-    assert sm90.choose_kernel("nvfp4", 8, {}, n=4096, k=4096) == "decode"
     assert sm90.choose_kernel("nvfp4", 9, {}, n=4096, k=4096) == "decode_ws"
     assert sm90.choose_kernel("nvfp4", 9, {}, n=4096, k=4096, tma_ready=False) == "wgmma"
     assert sm90.choose_kernel("nvfp4", 32, {}, n=4096, k=4096) == "wgmma"

@@ -109,19 +109,20 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, programmati
     Elsewhere (FP4 6144x4096 and 4096x14336: 4-6 consumer warps per SM) the Triton kernel's finer split
     wins by 4-21%. Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one
     wave (fills).
-    programmatic (the calls go out as programmatic dependent launches, launch.programmatic_launch): also FP4
-    at M <= 8 on weights of at most PDL_SMALL_WEIGHT elements, with two consumer warps per row group (session
-    23, bench/pdl_chain.py: 32 weights back to back in a graph, programmatic launches; NVFP4 M = 1 6144x4096
-    7.78 -> 6.74 us, 4096x4096 6.53 -> 5.50, 4096x14336 12.62 -> 11.92; MXFP4 alike; M = 2-8 by as much or
-    more). Without programmatic launches these weights were not measured against the Triton kernel with two
-    warps per row group."""
+    With two consumer warps per row group up to M = 8 (ring_config, session 23; bench/pdl_chain.py, 32
+    weights back to back in one graph, bench/results/pdl_chain_h200.json) the ring also takes FP4 at M = 1-8 on
+    weights of at most 4096x4096 elements (NVFP4 4096x4096 M = 1 6.83 -> 6.43 us, M = 8 7.42 -> 6.48; MXFP4
+    alike) and, when the calls go out as programmatic dependent launches (`programmatic`,
+    launch.programmatic_launch), on weights of at most PDL_SMALL_WEIGHT elements (NVFP4 M = 1 6144x4096 7.71 ->
+    6.76, 4096x4096 6.56 -> 5.48, 4096x14336 12.63 -> 11.85; M = 2-8 and MXFP4 alike), where without them the
+    Triton kernel stays 2-5% faster at M = 1-4 (6144x4096 7.68 against 7.87, 4096x14336 12.27 against 12.93)."""
     if m > MAX_M or not fills(ring_config(m, n, k, fmt_code, sms), n, k, sms):
         return False
     if fmt_code == 2:
         return m >= 8
-    if programmatic and m <= 8 and n * k <= PDL_SMALL_WEIGHT:
+    if n * k <= 4096 * 4096 or (programmatic and m <= 8 and n * k <= PDL_SMALL_WEIGHT):
         return True
-    return (n >= 8192 and (m >= 2 or n >= 16384)) or (m >= 9 and n * k <= 4096 * 4096)
+    return n >= 8192 and (m >= 2 or n >= 16384)
 
 
 def source() -> str:
