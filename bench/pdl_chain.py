@@ -5,11 +5,11 @@
 In a model the decode GEMMs run one after another, each starting while the one before it ends (PDL, bench/e2e.py
 way (e)), so a kernel's fixed cost per call counts more than its streaming rate. Here 32 distinct weights of one
 shape (larger than the L2 together) run back to back in one CUDA graph, and the time per call is the replay
-time / 32: the Triton decode kernel (launch.decode_config), the TMA-ring kernel with one consumer warp per row
-group and with ring_config's choice (two up to M = 8), and the dispatch's choice. The Llama-3-8B decoder's
-weights at M = 1, 2, 4, 8, NVFP4 and MXFP4. Then the layer (q/k/v, o, gate/up with the gated epilogue, down) 32
-times in one graph at M = 1: the dispatch's choices against the Triton kernel on the three small weights and
-one warp per row group on gate/up (the rule of session 22).
+time / 32 (gemm._time_graph): the Triton decode kernel (launch.decode_config), the TMA-ring kernel with one
+consumer warp per row group and with ring_config's choice (two up to M = 8), and the dispatch's choice. The
+Llama-3-8B decoder's weights at M = 1, 2, 4, 8, NVFP4 and MXFP4. Then the layer (q/k/v, o, gate/up with the
+gated epilogue, down) 32 times in one graph at M = 1: the dispatch's choices against the Triton kernel on the
+three small weights and one warp per row group on gate/up (the rule of session 22).
 """
 
 import argparse
@@ -31,26 +31,6 @@ LAYERS = 32
 # (N, K, gated): q/k/v, o, gate/up (row pairs, silu(gate) * up stored), down
 SHAPES = [(6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False)]
 MS = (1, 2, 4, 8)
-
-
-def _graph_us(fn, replays=20):
-    """Median replay time of fn captured in one CUDA graph, in us."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def _pdl(on: bool):
@@ -88,7 +68,7 @@ def shape_records(fmt, n, k, gated):
                 if diff > 1e-3:  # a wrong kernel is reported, not timed
                     rec[f"{name}_error"] = f"output differs from the decode kernel's by {diff:.2e}"
                     continue
-                rec[f"{name}_us"] = _graph_us(lambda: [run(x, p) for p in preps]) / LAYERS
+                rec[f"{name}_us"] = gemm._time_graph(lambda p: run(x, p), preps, replays=20, calls=LAYERS)
             print(json.dumps(rec), flush=True)
             recs.append(rec)
     return recs
@@ -120,7 +100,7 @@ def layer_records(fmt="nvfp4"):
                     for p, n, k, gated in layer:
                         x = run(x[:, :k], p, n, k, gated)
             rec = {"op": "layer chain", "format": fmt, "M": 1, "pdl": pdl, "rule": name,
-                   "us_per_layer": _graph_us(step) / LAYERS}
+                   "us_per_layer": gemm._time_graph(lambda _: step(), [None], replays=20, calls=1) / LAYERS}
             print(json.dumps(rec), flush=True)
             recs.append(rec)
     return recs

@@ -128,7 +128,8 @@ def test_ring_config_never_launches_more_ctas_than_sms(seed):
         else:  # taller than 16 row groups per SM: several waves, and ring_wins leaves it to the Triton kernel
             assert (cfg.groups, cfg.split) == (16, 1) and not D.ring_wins(fmt_code, 1, n, k)
             assert cfg.k_warps == 1  # 2 x 16 consumer warps and the producer: more than 1024 threads
-        assert cfg.threads <= 1024 and cfg.smem_bytes(fmt_code) <= 227 * 1024 and (D.padded_shape(n, k)[1] // 64) % cfg.steps == 0
+        assert cfg.threads <= 1024 and cfg.smem_bytes(fmt_code) <= 227 * 1024
+        assert (D.padded_shape(n, k)[1] // 64) % cfg.steps == 0
 
 
 def test_ring_wins_where_measured():

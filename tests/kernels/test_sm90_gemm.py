@@ -120,7 +120,8 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
 # 2 + 2 + 0), 16 groups (17 warps), two and four warps per row group (the latter where K has a multiple of 4 steps)
 RING_CONFIGS = [None, dict(steps=2, stages=2, split=1), dict(groups=5, steps=2, stages=4, split=2),
                 dict(groups=4, steps=2, stages=3, split=3), dict(groups=16, steps=2, stages=4, split=1),
-                dict(groups=5, steps=2, stages=2, split=2, k_warps=2), dict(groups=3, steps=4, stages=2, split=2, k_warps=4)]
+                dict(groups=5, steps=2, stages=2, split=2, k_warps=2),
+                dict(groups=3, steps=4, stages=2, split=2, k_warps=4)]
 
 
 def _ring_configs(m, k):

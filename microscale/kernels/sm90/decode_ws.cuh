@@ -11,9 +11,8 @@
 // warp p taking the K steps s = p mod KW of each stage, and their partials are summed through shared memory
 // in warp order: small weights give an SM few row groups, and one warp per scheduler leaves the decode's
 // latency exposed. Split-K over the CTAs of a cluster, the partials summed through distributed shared
-// memory in rank order. With GATED the weight holds gate/up row
-// pairs (kernels/gated.py: rows g and g + 8 of a row group, one thread's two accumulator halves) and y gets
-// silu(gate) * up, N / 2 columns.
+// memory in rank order. With GATED the weight holds gate/up row pairs (kernels/gated.py: rows g and g + 8
+// of a row group, one thread's two accumulator halves) and y gets silu(gate) * up, N / 2 columns.
 //
 // The dispatch takes it where decode_ws.ring_wins. Compiled after wgmma_ws.cuh's source, whose helpers it uses.
 
