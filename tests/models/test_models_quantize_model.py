@@ -206,7 +206,7 @@ def test_fuse_gated_mlps(seed, fmt, tmp_path):
     with torch.no_grad():
         got = model(ids).logits
     assert (got - want).abs().max() <= REFERENCE_RTOL * want.abs().max()
-    assert model.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+    assert model.generate(ids[:1, :4], max_new_tokens=3, min_new_tokens=3, do_sample=False).shape == (1, 7)
     assert fuse_gated_mlps(model) == []  # nothing left to fuse
     with pytest.raises(ValueError, match="model.layers.0.mlp.gated is a fused gate/up layer"):
         save_quantized(model, tmp_path / "out")
