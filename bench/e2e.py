@@ -31,6 +31,9 @@ in one process:
     removed (the weights are not held twice), so this way runs after the others of its format. Attention
     (since session 22; --attention sdpa for the former): rotary, cache write and attention in one kernel
     (bench/decode_attention.py) instead of Inductor's rotary kernel and SDPA, for every format alike.
+    Quantized layers take the RMSNorm before q/k/v and gate/up and the residual add after o_proj and down
+    into their GEMM where its kernel does (QuantizedLinear.fusions: decode_ws, kernels/rmsnorm.py; since
+    session 24, --glue torch for the former), which removes Inductor's add + norm kernels between them.
 (e) fused-pdl: (d) with programmatic dependent launches for Inductor's kernels and microscale's decode
     kernels ((d) has both off): a kernel starts while the one before it finishes, Inductor's release the
     next kernel after their loads, ours load their first weight tiles before they wait for x; cuBLAS (bf16,
@@ -114,10 +117,15 @@ class StaticDecoder:
     step can be captured once and replayed.
     """
 
-    def __init__(self, model, batch: int, cache_len: int, fused=None, attention: str = "sdpa"):
+    def __init__(self, model, batch: int, cache_len: int, fused=None, attention: str = "sdpa", glue: bool = True):
         cfg = model.config
         self.model = model
         self.fused = fused  # per layer (qkv, gated) from fuse_projections, or None: the model's own modules
+        # with fused projections, per layer the fusions (QuantizedLinear.fusions at this batch) of q/k/v, o_proj,
+        # gate/up and down: which of the norms and residual adds around them their kernels take (glue=False: none)
+        self.glue = [tuple(linear_fusions(p, batch) if glue else frozenset()
+                           for p in (qkv, layer.self_attn.o_proj, gated, layer.mlp.down_proj))
+                     for (qkv, gated), layer in zip(fused, model.model.layers)] if fused else None
         if attention not in ("sdpa", "kernel") or (attention == "kernel" and not fused):
             raise ValueError(f"StaticDecoder: attention={attention!r}: 'sdpa', or 'kernel' (decode_attention.py, "
                              "which takes the fused q/k/v projection's output) with fused projections")
@@ -156,15 +164,18 @@ class StaticDecoder:
         h = m.embed_tokens(self.tokens)
         for i, (layer, k_cache, v_cache) in enumerate(zip(m.layers, self.k, self.v)):
             a = layer.self_attn
-            x = layer.input_layernorm(h)
-            qkv, gated = self.fused[i] if self.fused else (None, None)
+            if self.fused:
+                (qkv, gated), glue = self.fused[i], self.glue[i]
+                qkv_out = project(qkv, h, glue[0], norm=layer.input_layernorm)
+            else:
+                x = layer.input_layernorm(h)
             if self.attention == "kernel":
-                o = decode_attention(qkv(x).view(batch, -1), self.cos[0], self.sin[0], self.pos,
-                                     k_cache, v_cache, self.heads, x.is_cuda and programmatic_launch(x.device))
+                o = decode_attention(qkv_out.view(batch, -1), self.cos[0], self.sin[0], self.pos,
+                                     k_cache, v_cache, self.heads, h.is_cuda and programmatic_launch(h.device))
                 o = o.view(batch, 1, -1)
             else:
                 if self.fused:
-                    q, k, v = qkv(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+                    q, k, v = qkv_out.split([self.q_size, self.kv_size, self.kv_size], -1)
                 else:
                     q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
                 q, k, v = (t.view(batch, 1, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
@@ -173,17 +184,39 @@ class StaticDecoder:
                 v_cache.index_copy_(2, p, v)
                 o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
                 o = o.transpose(1, 2).reshape(batch, 1, -1)
-            h = h + a.o_proj(o)
-            x = layer.post_attention_layernorm(h)
             if self.fused:
-                h = h + layer.mlp.down_proj(gated(x))
+                h = project(a.o_proj, o, glue[1], residual=h)
+                gated_out = project(gated, h, glue[2], norm=layer.post_attention_layernorm)
+                h = project(layer.mlp.down_proj, gated_out, glue[3], residual=h)
             else:
-                h = h + layer.mlp(x)
+                h = h + a.o_proj(o)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
         logits = self.model.lm_head(m.norm(h))[:, -1]
         if advance:
             self.tokens.copy_(logits.argmax(-1, keepdim=True))
             self.pos.add_(1)
         return logits
+
+
+def linear_fusions(linear, batch: int) -> frozenset:
+    """QuantizedLinear.fusions for one decode step's rows; none for bf16 layers (cuBLAS GEMMs)."""
+    return linear.fusions(batch) if isinstance(linear, QuantizedLinear) else frozenset()
+
+
+def project(linear, x, fusions: frozenset, norm=None, residual=None):
+    """residual + linear(norm(x)) (each part optional), the norm and the add in the layer's kernel where `fusions`
+    holds them (kernels/rmsnorm.py), else as torch ops, which Inductor fuses with their neighbours (the add with the
+    next norm, the norm into one kernel)."""
+    kwargs = {}
+    if norm is not None:
+        if "rms_norm" in fusions:
+            kwargs["norm"] = norm
+        else:
+            x = norm(x)
+    if residual is not None and "residual" in fusions:
+        kwargs["residual"], residual = residual, None
+    y = linear(x, **kwargs)
+    return y if residual is None else residual + y
 
 
 class SiluGateUp(torch.nn.Module):
@@ -237,14 +270,14 @@ def programmatic_launches(on: bool):
 
 
 def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_tokens: int = 8,
-                         compile_step: bool = False, fused=None, attention: str = "sdpa") -> dict:
+                         compile_step: bool = False, fused=None, attention: str = "sdpa", glue: bool = True) -> dict:
     """Step time of StaticDecoder replayed as one CUDA graph per step; tokens checked against eager.
 
     compile_step: the step goes through torch.compile(fullgraph=True) first, so the norms, rotary
     embedding and elementwise work between the GEMMs become a few fused kernels (the eager step
     launches some 30 small kernels per layer); the tokens are then checked against the compiled
     step run without the graph."""
-    dec = StaticDecoder(model, batch, prompt_len + steps + check_tokens + 8, fused, attention)
+    dec = StaticDecoder(model, batch, prompt_len + steps + check_tokens + 8, fused, attention, glue)
     first = torch.randint(0, model.config.vocab_size, (batch, 1), device=dec.tokens.device)
     step = torch.compile(dec.step, fullgraph=True, dynamic=False) if compile_step else dec.step
 
@@ -293,6 +326,8 @@ def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_t
     ms = start.elapsed_time(end) / steps
     out = {"ms_per_step": ms, "tokens_equal_eager": same, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
            "compiled_step": compile_step, "attention": attention}
+    if fused:  # how many of the step's norms and residual adds ran in the GEMMs
+        out["glue_in_gemms"] = sum(len(f) for layer in dec.glue for f in layer)
     # where the step goes: kernel time per class over profiled replays; idle = step - kernel time (the
     # gaps between kernels, which the graph does not remove). From the start position again: the cache
     # holds prompt_len + steps + check_tokens + 8 positions
@@ -412,7 +447,7 @@ def run_format(config, fmt, device, batches, args) -> list:
             for how in fused_ways:
                 with programmatic_launches(how in PDL_WAYS):
                     row[how] = measure_graph_decode(model, row["batch"], args.prompt, args.steps, compile_step=True,
-                                                    fused=fused, attention=attention)
+                                                    fused=fused, attention=attention, glue=args.glue == "kernel")
         del fused
     for row in rows:
         for how in args.ways:
@@ -532,6 +567,9 @@ def main(argv=None):
                         "dependent launches)")
     p.add_argument("--attention", default="kernel", choices=("kernel", "sdpa"),
                    help="the fused ways' attention on a GPU: decode_attention.py's kernel, or SDPA as the other ways")
+    p.add_argument("--glue", default="kernel", choices=("kernel", "torch"),
+                   help="the fused ways' RMSNorms and residual adds: in the quantized GEMMs where their kernel takes "
+                        "them (QuantizedLinear.fusions), or all as torch ops (Inductor's kernels)")
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens (a) / start position (b)")
     p.add_argument("--new-tokens", type=int, default=64, help="(a): tokens generated per timed call")

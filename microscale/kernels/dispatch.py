@@ -39,6 +39,9 @@ class Backend:
     # (prepared, fmt, shape, global_scale) -> the canonical QTensor prepare was given (global_scale:
     # the NVFP4 one, passed back in); None where prepare keeps the canonical tensors (the reference)
     unprepare: Optional[Callable[[Prepared, str, tuple, Optional[torch.Tensor]], QTensor]] = None
+    # (fmt, m, n, k, device, options) -> which of rmsnorm.FUSIONS its kernel for such a call applies itself
+    # (options "rms_norm", "residual"); the others run as torch ops around it. None: none.
+    fusions: Optional[Callable[[str, int, int, int, torch.device, dict], frozenset]] = None
 
 
 _BACKENDS: dict = {}

@@ -26,6 +26,11 @@ Gated pairs (`epilogue="silu_mul"`, kernels/gated.py): the weight holds gate and
 the op returns silu(gate) * up, [M, N / 2]. A backend that lists "epilogue" in its options gets it (the
 sm90 decode kernels apply it in their epilogue); for the others the op finishes their output with
 gated.silu_mul.
+
+Decoder glue (kernels/rmsnorm.py): `norm_weight`, `norm_eps` make the op the GEMM of rms_norm(x) * norm_weight,
+applied before anything else (activation quantization, rotation); `residual` is added to the op's output. A
+backend that lists "rms_norm" / "residual" in its options gets them (sm90: in the decode_ws kernel, torch ops
+around its other kernels; Backend.fusions says which); for the others the op runs rmsnorm's torch ops.
 """
 
 from typing import Optional
@@ -34,7 +39,7 @@ import torch
 
 from ..formats.spec import get_format
 from ..quant import hadamard, quantize
-from . import gated
+from . import gated, rmsnorm
 from .dispatch import Backend, get_backend, select_backend
 
 
@@ -81,14 +86,22 @@ def linear(
     input_global_scale: Optional[torch.Tensor] = None,
     rotation: Optional[torch.Tensor] = None,
     epilogue: Optional[str] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 0.0,
+    residual: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequant(W).T (+ bias) with W as prepared by `backend`; the activations
     quantized to `activations` (if given), NVFP4 with the static `input_global_scale` (if given);
     x R instead of x with `rotation` = hadamard_matrix(b); with `epilogue` the gated pairs of y,
-    [M, N / 2] (module docstring)."""
+    [M, N / 2]; of rms_norm(x) * norm_weight instead of x; plus `residual` (module docstring)."""
     b = get_backend(backend)
     options = {}
     gated.check_epilogue(epilogue)
+    if norm_weight is not None:
+        if "rms_norm" in b.options and activations is None and rotation is None:
+            options["rms_norm"] = (norm_weight, norm_eps)
+        else:
+            x = rmsnorm.rms_norm(x, norm_weight, norm_eps)
     if activations is not None:
         static_ok = input_global_scale is None or "input_global_scale" in b.options
         if "activations" in b.options and activations == fmt and static_ok:
@@ -102,13 +115,16 @@ def linear(
         x = hadamard.rotate(x, rotation.shape[0], rotation)
     if epilogue is not None and "epilogue" in b.options:
         options["epilogue"], epilogue = epilogue, None  # the backend applies it
+    if residual is not None and epilogue is None and "residual" in b.options:
+        options["residual"], residual = residual, None  # after the epilogue: the backend adds it
     y = b.gemm(x, data, scale, global_scale, bias, fmt=fmt, n=n, k=k, options=options)
-    return y if epilogue is None else gated.silu_mul(y)
+    y = y if epilogue is None else gated.silu_mul(y)
+    return y if residual is None else rmsnorm.add_residual(y, residual)
 
 
 @linear.register_fake
 def _linear_fake(x, data, scale, global_scale, bias, fmt, n, k, backend, activations, input_global_scale=None,
-                 rotation=None, epilogue=None):
+                 rotation=None, epilogue=None, norm_weight=None, norm_eps=0.0, residual=None):
     return x.new_empty((x.shape[0], gated.output_features(n, epilogue)))
 
 

@@ -27,7 +27,10 @@ kernel on CUDA where b divides their block, and otherwise (float activations: we
 with a torch op before the quantizer or the GEMM.
 
 forward() is one call of the `microscale::linear` custom op (kernels/ops.py) on plain tensors,
-so torch.compile(fullgraph=True) and CUDA graph capture see no Python objects.
+so torch.compile(fullgraph=True) and CUDA graph capture see no Python objects. Its `norm` and `residual`
+arguments put a decoder's RMSNorm in front of the layer and a residual add behind it (kernels/rmsnorm.py):
+`fusions(m)` says whether the kernel for m rows takes them; where it does not, the op runs them as torch
+ops inside it, out of Inductor's reach, so a caller under torch.compile runs them itself there.
 
 Fused layers (inference only, like the projections engines fuse): fuse_linears gives one layer for q/k/v
 (outputs concatenated), fuse_gated one for an MLP's gate and up projections that returns silu(gate) * up,
@@ -41,7 +44,7 @@ from torch import nn
 
 from ..formats.spec import FormatSpec, get_format
 from ..formats.tensor import QTensor, padded_k
-from ..kernels import gated, ops
+from ..kernels import gated, ops, rmsnorm
 from ..kernels.dispatch import get_backend
 from ..quant import hadamard, quantize
 
@@ -255,18 +258,38 @@ class QuantizedLinear(nn.Module):
         return self
 
     # ---- compute -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, norm=None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """self(x); with `norm` (an RMSNorm module or its (weight, eps)) self(norm(x)), with `residual`
+        residual + ... (module docstring)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__}: input of shape {tuple(x.shape)} does not match "
                              f"in_features={self.in_features}")
         if x.dtype not in INPUT_DTYPES:
             raise TypeError(f"{type(self).__name__}: input dtype {x.dtype} not accepted; accepted: "
                             f"{', '.join(map(str, INPUT_DTYPES))}")
+        out_shape = (*x.shape[:-1], gated.output_features(self.out_features, self.epilogue))
+        norm_weight, norm_eps = (None, 0.0) if norm is None else rmsnorm.norm_parameters(norm, x.dtype)
+        if norm_weight is not None and tuple(norm_weight.shape) != (self.in_features,):
+            raise ValueError(f"{type(self).__name__}: norm weight of shape {tuple(norm_weight.shape)} does not match "
+                             f"in_features={self.in_features}")
+        if residual is not None and tuple(residual.shape) != out_shape:
+            raise ValueError(f"{type(self).__name__}: residual of shape {tuple(residual.shape)} does not match the "
+                             f"output shape {out_shape}")
         y = torch.ops.microscale.linear(
             x.reshape(-1, self.in_features), self.prepared_data, self.prepared_scale, self.prepared_global_scale,
             self.bias, self.fmt.name, self.out_features, self.in_features, self.backend, self.activations,
-            self.input_global_scale, self.prepared_rotation, self.epilogue)
-        return y.reshape(*x.shape[:-1], gated.output_features(self.out_features, self.epilogue))
+            self.input_global_scale, self.prepared_rotation, self.epilogue, norm_weight, norm_eps,
+            None if residual is None else residual.reshape(-1, out_shape[-1]))
+        return y.reshape(out_shape)
+
+    def fusions(self, m: int) -> frozenset:
+        """Which of forward's `norm` and `residual` ("rms_norm", "residual") the kernel for m rows of bf16
+        activations applies itself: a host-side query for code that places them (not for tracing)."""
+        b = get_backend(self.backend)
+        if b.fusions is None or self.activations is not None or self.rotation is not None:
+            return frozenset()
+        return b.fusions(self.fmt.name, m, self.out_features, self.in_features, self.prepared_data.device,
+                         {} if self.epilogue is None else {"epilogue": self.epilogue})
 
     def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
         """The activations the quantized weight multiplies: x R for a rotated layer, else x (in torch

@@ -1,12 +1,14 @@
 """CPU CI for the TMA-ring decode kernel (kernels/sm90/decode_ws.cuh): NVRTC builds the variants the library and
 the GPU tests launch for sm_90a, the SASS holds the ring (TMA boxes, mbarriers) and one mma.sync per 16 of K and
-8 activation rows with nothing spilled, the shared-memory size the launch asks for is the source's, and the
-tiling rule (ring_config, ring_wins) gives what it says.
+8 activation rows with nothing spilled, the fused variants (gated epilogue, norm warp, residual add) what they add,
+the shared-memory size the launch asks for is the source's, and the tiling rule (ring_config, ring_wins) gives what
+it says.
 
 The kernel's numerics run on the H200: tests/kernels/test_sm90_gemm.py (marked gpu).
 """
 
 import dataclasses
+import itertools
 import re
 
 import pytest
@@ -29,12 +31,18 @@ CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1, k_warps=2), D.Rin
            D.RingConfig(groups=5, steps=2, stages=4, split=1, k_warps=2))
 
 
+NORM_CONFIGS = (CONFIGS[0], CONFIGS[1], CONFIGS[2], CONFIGS[6])  # 2 warps: split 1 and 2; 16 rows: split 1 and 3
+FUSED = tuple(itertools.product((False, True), repeat=3))  # (gated, norm, residual)
+
+
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MICROSCALE_CACHE_DIR", str(tmp_path_factory.mktemp("nvrtc-cache")))
-    variants = tuple((f, c, False) for f in FMT_CODE.values() for c in CONFIGS)
-    compiled = D._compiled(variants + tuple((f, c, True) for f in FMT_CODE.values() for c in CONFIGS[:2]))
+    variants = [D.variant(f, c) for f in FMT_CODE.values() for c in CONFIGS]
+    variants += [D.variant(f, c, gated=True) for f in FMT_CODE.values() for c in CONFIGS[:2]]
+    variants += [D.variant(f, c, *fused) for f in FMT_CODE.values() for c in NORM_CONFIGS for fused in FUSED]
+    compiled = D._compiled(tuple(dict.fromkeys(variants)))
     yield compiled, nvrtc.disassemble(compiled.cubin), nvrtc.resource_usage(compiled.cubin)
     mp.undo()
 
@@ -92,12 +100,66 @@ def test_gated_epilogue_stores_half_the_columns(build, fmt, cfg):
     assert res.get("LOCAL", 0) == 0
 
 
+def _opcodes(build, fmt, cfg, gated=False, norm=False, residual=False):
+    compiled, sass, resources = build
+    symbol = compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg, gated, norm, residual)]
+    return nvrtc.sass_opcodes(sass[symbol]), resources[symbol]
+
+
+@pytest.mark.parametrize("fmt", list(FMT_CODE))
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("cfg", NORM_CONFIGS, ids=lambda c: f"bm{c.block_m}-kw{c.k_warps}-split{c.split}")
+def test_norm_warp_scales_each_stage_in_place(build, fmt, gated, cfg):
+    """With the norm (kernels/rmsnorm.py) one more warp takes each stage after its full barrier: per K step and x row
+    of its lane (block_m / 4 of them) it loads 16 bytes, adds their squares (2 FFMA per bf16 pair), multiplies them by
+    the norm weight (one HMUL2.BF16 per pair, 4 per chunk) and stores them back, for two stages a trip; each stage
+    then a fence against the next TMA write into it and an arrive on the stage's ready barrier. The consumers' MMAs
+    are the plain kernel's; the epilogue takes one rsqrt per output row. Nothing spills in 64K registers with the
+    extra warp."""
+    plain, _ = _opcodes(build, fmt, cfg, gated)
+    norm, res = _opcodes(build, fmt, cfg, gated, norm=True)
+    count = lambda ops, name: sum(o.startswith(name) for o in ops)  # noqa: E731
+    per_stage = cfg.steps * cfg.block_m // 4 * 4  # pairs' HMUL2 = chunks x 4 words
+    assert count(norm, "HMUL2.BF16") - count(plain, "HMUL2.BF16") == 2 * per_stage
+    assert count(norm, "FFMA") - count(plain, "FFMA") >= 2 * 2 * per_stage
+    assert count(norm, "FENCE.VIEW.ASYNC.S") - count(plain, "FENCE.VIEW.ASYNC.S") == 2
+    assert count(norm, "HMMA") == count(plain, "HMMA")
+    assert count(norm, "MUFU.RSQ") > count(plain, "MUFU.RSQ")
+    shuffles = count(norm, "SHFL.BFLY") - count(plain, "SHFL.BFLY")  # 3 per row sum over 8 lanes (code may repeat)
+    assert shuffles > 0 and shuffles % (3 * cfg.block_m // 4) == 0
+    assert res.get("LOCAL", 0) == 0 and res["REG"] * D.threads(cfg, norm=True) <= 65536, res
+    assert D.threads(cfg, norm=True) == cfg.threads + 32
+
+
+@pytest.mark.parametrize("fmt", list(FMT_CODE))
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("cfg", NORM_CONFIGS[:2], ids=lambda c: f"split{c.split}")
+def test_residual_is_loaded_once_per_stored_output(build, fmt, gated, cfg):
+    """With the residual each y store has one 2-byte residual load before it (besides the bias's), with or without
+    the norm; the K loop is the plain kernel's."""
+    plain, _ = _opcodes(build, fmt, cfg, gated)
+    for norm in (False, True):
+        fused, res = _opcodes(build, fmt, cfg, gated, norm, residual=True)
+        base, _ = _opcodes(build, fmt, cfg, gated, norm)
+        loads = [sum(o.startswith("LDG.E.U16") for o in ops) for ops in (base, fused)]
+        stores = sum(o.startswith("STG.E.U16") for o in fused)
+        assert loads[1] - loads[0] == stores > 0
+        assert sum(o.startswith("HMMA") for o in fused) == sum(o.startswith("HMMA") for o in plain)
+        assert res.get("LOCAL", 0) == 0
+
+
+def test_norm_adds_its_barriers_and_row_sums_to_the_shared_memory():
+    for cfg in NORM_CONFIGS:
+        for f in FMT_CODE.values():
+            assert cfg.smem_bytes(f, norm=True) - cfg.smem_bytes(f) == 8 * cfg.stages + 4 * cfg.block_m
+
+
 def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkeypatch):
     """RingConfig.smem_bytes (what the launch asks for) must equal the source's RingSmem<>::BYTES."""
     monkeypatch.setenv("MICROSCALE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(D.RingConfig, "smem_bytes", lambda self, fmt_code: 4096)
+    monkeypatch.setattr(D.RingConfig, "smem_bytes", lambda self, fmt_code, norm=False: 4096)
     with pytest.raises(RuntimeError, match="RingConfig.smem_bytes differs"):
-        D._compiled.__wrapped__(((0, D.RingConfig(), False),))
+        D._compiled.__wrapped__((D.variant(0, D.RingConfig()),))
 
 
 @pytest.mark.parametrize("n,k,fmt,want", [

@@ -155,12 +155,17 @@ def _gated_case(fmt, m, n, k, seed):
     from microscale.kernels.gated import interleave_index
     x, q, b, pre, mag = _case(fmt, m, 2 * n, k, torch.bfloat16, seed)
     index = interleave_index(n, "cuda")
-    gate, up = pre[:, :n], pre[:, n:]
-    err_g, err_u = k * 2.0**-22 * mag[:, :n], k * 2.0**-22 * mag[:, n:]
+    want, err = _silu_mul(pre, k * 2.0**-22 * mag)
+    return x, q.take_rows(index), b[index], want, 2.0**-8 * want.abs() + err
+
+
+def _silu_mul(pre, err):
+    """silu(gate) * up of float64 pre-activations [M, 2n] (gate columns first) whose errors are at most err, and the
+    product's error from them (through silu's slope, at most 1.1), before the output's rounding."""
+    n = pre.shape[1] // 2
+    gate, up, err_g, err_u = pre[:, :n], pre[:, n:], err[:, :n], err[:, n:]
     silu = gate / (1 + torch.exp(-gate))
-    want = silu * up
-    bound = 2.0**-8 * want.abs() + 1.1 * err_g * up.abs() + silu.abs() * err_u + err_g * err_u
-    return x, q.take_rows(index), b[index], want, bound
+    return silu * up, 1.1 * err_g * up.abs() + silu.abs() * err_u + err_g * err_u
 
 
 def _check_gated(y, want, bound):
@@ -202,6 +207,85 @@ def test_decode_ws_kernel_gated_epilogue(fmt, m, n, k, seed):
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         D.decode_ws_gemm(x, *prep, b, FMT_CODE[fmt], 2 * n, k, cfg, out=y, gated=True)
         _check_gated(y, want, bound)
+
+
+def _glue_case(fmt, m, n, k, seed, eps=1e-5):
+    """_case's x (as h), weight and bias, a norm weight (negative and small values too), a residual, and float64 of
+    what decode_ws computes with the norm (kernels/rmsnorm.py): rstd(h) (W @ bf16(norm weight * h)) + bias, rstd in
+    float64, with its |.| for the bound. h's row 0 is zeros at M > 1 (rstd = eps**-0.5, only the bias is left)."""
+    x, q, b, pre, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
+    if m > 1:
+        x[0] = 0
+        pre[0], mag[0] = b.double(), 0
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    weight = (torch.rand(k, device="cuda", generator=g) * 2 - 0.5).to(torch.bfloat16)
+    residual = (torch.randn(m, n, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    scaled = (weight * x).double()  # the bf16 product, correctly rounded as the kernel's HMUL2
+    wd = q.dequantize().double()
+    rstd = 1 / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+    normed = (rstd * (scaled @ wd.t()) + b.double(), rstd * (scaled.abs() @ wd.abs().t()))
+    return x, q, b, (weight, eps), residual, (pre, mag), normed
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 200, 160 + 64), (5, 504, 96 * 8), (8, 384, 1024), (16, 320, 2048 + 32)])
+def test_decode_ws_kernel_norm_and_residual(fmt, m, n, k, seed):
+    """The norm warp and the residual add (kernels/rmsnorm.py) in the ring tilings, plain and over gate/up pairs
+    (n of them): outputs NaN-poisoned, against float64 of the kernel's definition. The bound adds to _check's the
+    error of rstd: a float32 sum of K squares in lanes of K / 8 (at most K 2**-27 relative) and the approximate
+    rsqrt (2**-21), times |rstd W x'|."""
+    from microscale.kernels.gated import interleave_index
+    from microscale.kernels.sm90 import decode_ws as D, prepare
+    from microscale.kernels.sm90.decode import FMT_CODE
+    for gated in (False, True):
+        rows = 2 * n if gated else n
+        x, q, b, norm, residual, plain, normed = _glue_case(fmt, m, rows, k, seed)
+        residual = residual[:, :n] if gated else residual
+        if gated:
+            index = interleave_index(n, "cuda")
+            q, b = q.take_rows(index), b[index]
+        prep = prepare(q)
+        for use_norm, use_residual in ((True, False), (False, True), (True, True)):
+            pre, mag = normed if use_norm else plain
+            err = (k * 2.0**-22 + (k * 2.0**-27 + 2.0**-21) * use_norm) * mag
+            want, err = _silu_mul(pre, err) if gated else (pre, err)
+            if use_residual:
+                want = want + residual.double()
+            for cfg in _ring_configs(m, k):
+                y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                D.decode_ws_gemm(x, *prep, b, FMT_CODE[fmt], rows, k, cfg, out=y, gated=gated,
+                                 norm=norm if use_norm else None, residual=residual if use_residual else None)
+                assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) outputs"
+                worst = ((y.double() - want).abs() / (2.0**-8 * want.abs() + err + 1e-30)).max().item()
+                assert worst <= 1.0, f"{cfg} gated={gated} norm={use_norm} residual={use_residual}: {worst:.3f} x bound"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (4, 4096, 4096), (32, 512, 1024)])
+def test_linear_glue_through_the_dispatch(m, n, k, seed):
+    """QuantizedLinear.forward with an RMSNorm module and a residual, where fusions(m) says the kernel takes them and
+    where it does not (M = 32): against float64 of residual + W norm(h), which each path rounds differently (the
+    fused kernel bf16(w h) into the MMA and rstd after it, the torch ops rstd h and w times it each to bf16)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from microscale import FP4Linear
+    from microscale.kernels import rmsnorm
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda")
+    layer = FP4Linear.from_linear(linear, "nvfp4")
+    norm = LlamaRMSNorm(k, eps=1e-5).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, device="cuda", generator=g) + 0.5)
+    h = (torch.randn(m, k, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    residual = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+    assert layer.fusions(m) == (frozenset() if m == 32 else frozenset(rmsnorm.FUSIONS))
+    y = layer(h, norm=norm, residual=residual)
+    h64 = h.double()
+    normed = norm.weight.double() * h64 / torch.sqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    wd = layer.qweight.dequantize().double()
+    want = residual.double() + normed @ wd.t()
+    bound = 2.0**-8 * want.abs() + 2.0**-7 * (normed.abs() @ wd.abs().t())  # x rounded to bf16 (twice unfused)
+    assert ((y.double() - want).abs() <= bound).all()
+    unfused = rmsnorm.add_residual(layer(norm(h)), residual)
+    assert ((unfused.double() - want).abs() <= bound).all()
 
 
 def test_decode_ws_is_deterministic(seed):

@@ -132,6 +132,27 @@ def test_fused_projections_compute_what_the_separate_ones_do(seed, e2e, fmt):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_glue_routed_into_the_layers_computes_the_torch_glue(seed, e2e, monkeypatch):
+    """(d) with every norm and residual add handed to the quantized layers (as where their kernel takes them; here
+    the reference backend runs them as torch ops inside the op): the same logits as the torch glue, eager and
+    compiled, and the decoder records 4 fusions per layer (2 norms, 2 adds)."""
+    from microscale.models.linear import QuantizedLinear
+    from microscale.kernels import rmsnorm
+
+    model = tiny_float32(e2e, "nvfp4")
+    ids = torch.randint(0, e2e.TINY["vocab_size"], (2, 6))
+    fused = e2e.fuse_projections(model)
+    want = teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8, fused=fused), ids)
+    monkeypatch.setattr(QuantizedLinear, "fusions", lambda self, m: frozenset(rmsnorm.FUSIONS))
+    dec = e2e.StaticDecoder(model, batch=2, cache_len=8, fused=fused)
+    assert [sum(map(len, g)) for g in dec.glue] == [8] * e2e.TINY["num_hidden_layers"]
+    for step in (None, torch.compile(dec.step, fullgraph=True, dynamic=False)):
+        got = teacher_forced(dec, ids, step)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    unglued = e2e.StaticDecoder(model, batch=2, cache_len=8, fused=fused, glue=False)
+    assert all(f == frozenset() for g in unglued.glue for f in g)
+
+
 def test_driver_runs_the_fused_way_last(e2e, tmp_path):
     out = tmp_path / "e2e.json"
     e2e.main(["--tiny", "--device", "cpu", "--steps", "2", "--new-tokens", "2", "--out", str(out), "--formats",
@@ -260,6 +281,34 @@ def test_static_decoder_with_the_attention_kernel_interpreted(seed):
     r = subprocess.run([sys.executable, "-c", _DECODER_INTERPRETED.format(root=ROOT, seed=seed)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programmatic", [False, True])
+def test_glue_in_the_gemms_of_a_llama_8b_layer_gpu(seed, e2e, programmatic):
+    """One decoder layer of Llama-3-8B's shapes in NVFP4 at batch 1, the fused way compiled: the GEMMs whose kernel
+    takes the norms and residual adds (decode_ws: o_proj and gate/up always, q/k/v and down under programmatic
+    launches) give the torch glue's logits up to the rounding of the normalized x (a bf16 rounding, relative 2**-8
+    per element), and the step captured in a graph replays the eager tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(e2e.LLAMA3_8B, num_hidden_layers=1, vocab_size=2048)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16).eval()
+    quantize_model(model, "nvfp4", progress=False)
+    fused = e2e.fuse_projections(model)
+    ids = torch.randint(0, config["vocab_size"], (1, 5), device="cuda")
+    with e2e.programmatic_launches(programmatic):
+        torch_glue = e2e.StaticDecoder(model, batch=1, cache_len=8, fused=fused, glue=False)
+        want = teacher_forced(torch_glue, ids, torch.compile(torch_glue.step, fullgraph=True, dynamic=False)).float()
+        dec = e2e.StaticDecoder(model, batch=1, cache_len=8, fused=fused)
+        assert [len(f) for f in dec.glue[0]] == [2 * programmatic, 2, 2, 2 * programmatic]
+        got = teacher_forced(dec, ids, torch.compile(dec.step, fullgraph=True, dynamic=False)).float()
+        assert (got - want).abs().max() <= 2.0**-5 * want.abs().max()
+        timing = e2e.measure_graph_decode(model, 1, 3, 4, check_tokens=4, compile_step=True, fused=fused,
+                                          attention="kernel")
+    assert timing["tokens_equal_eager"] and timing["glue_in_gemms"] == 4 + 4 * programmatic
 
 
 @pytest.mark.gpu

@@ -30,6 +30,8 @@ gemm: picks the kernel from M and the options (docs/dispatch.md):
   the rule (so the variable can ask for it for a whole model, prefill included).
   options["epilogue"] = "silu_mul" (gate/up row pairs, kernels/gated.py): applied in the epilogue by decode_ws and
   by decode with up to 8 activation rows per program (launch.decode_takes_gated), after the GEMM elsewhere.
+  options["rms_norm"] = (weight, eps), options["residual"] (kernels/rmsnorm.py): taken by decode_ws (a norm warp;
+  the add in the epilogue), torch ops around the other kernels; `fusions` says which a call's kernel takes.
 """
 
 import os
@@ -38,7 +40,7 @@ import torch
 
 from ...formats.spec import get_format
 from ...formats.tensor import QTensor
-from .. import gated
+from .. import gated, rmsnorm
 from ..dispatch import Backend, compute_capability, register
 from ..selftest import backend_run_fn, selftest_passed
 from . import launch as paths
@@ -122,8 +124,17 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
     return kernel
 
 
+def fusions(fmt: str, m: int, n: int, k: int, device, options: dict = None) -> frozenset:
+    """Which of rmsnorm.FUSIONS the kernel for bf16 x [m, k] (contiguous) and an [n, k] weight applies itself."""
+    device = torch.device(device)
+    tma_ready = (k * 2) % 16 == 0 and wgmma_ws.have_cuda_python()
+    kernel = choose_kernel(get_format(fmt).name, m, options or {}, torch.bfloat16, compute_capability(device), n,
+                           tma_ready, k, paths.sm_count(paths.device_index(device)), paths.programmatic_launch(device))
+    return frozenset(rmsnorm.FUSIONS) if kernel == "decode_ws" else frozenset()
+
+
 def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
-    """y [M, N] = x2d [M, K] @ dequant(W).T (+ bias) in x2d's dtype."""
+    """y [M, N] = x2d [M, K] @ dequant(W).T (+ bias) in x2d's dtype; the options of the module docstring."""
     fmt = get_format(fmt).name
     if x2d.dim() != 2 or x2d.shape[1] != k:
         raise ValueError(f"sm90 gemm: x of shape {tuple(x2d.shape)} does not match weight [{n}, {k}]")
@@ -132,26 +143,33 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"sm90 gemm: bias of shape {tuple(bias.shape)} does not match N={n}")
     m = x2d.shape[0]
+    options = options or {}
+    epilogue = gated.check_epilogue(options.get("epilogue"))
     if m == 0:
-        return x2d.new_empty(0, n)
+        return x2d.new_empty(0, gated.output_features(n, epilogue))
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    kernel = choose_kernel(fmt, m, options or {}, x2d.dtype, compute_capability(x2d.device), n,
+    kernel = choose_kernel(fmt, m, options, x2d.dtype, compute_capability(x2d.device), n,
                            wgmma_ws.supports(x2d), k, paths.sm_count(paths.device_index(x2d.device)),
                            paths.programmatic_launch(x2d.device))
     run = {"decode_ws": decode_ws.decode_ws_gemm, "decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm,
            "wgmma_ws": wgmma_ws.wgmma_ws_gemm, "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
-    args = (x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
-    epilogue = gated.check_epilogue((options or {}).get("epilogue"))
-    if epilogue is None:
-        return run(*args)
+    norm, residual = options.get("rms_norm"), options.get("residual")
     if kernel == "decode_ws":
-        return run(*args, gated=True)
-    if kernel == "decode":
-        cfg = paths.decode_config(m, n, k, FMT_CODE[fmt])
-        if paths.decode_takes_gated(cfg):
-            return run(*args, cfg, gated=True)
-    return gated.silu_mul(run(*args))
+        if residual is not None:
+            residual = residual.to(torch.bfloat16).contiguous()
+        return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k, gated=epilogue is not None, norm=norm,
+                   residual=residual)
+    if norm is not None:
+        x2d = rmsnorm.rms_norm(x2d, *norm)
+    args = (x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
+    if epilogue is None:
+        y = run(*args)
+    elif kernel == "decode" and paths.decode_takes_gated(cfg := paths.decode_config(m, n, k, FMT_CODE[fmt])):
+        y = run(*args, cfg, gated=True)
+    else:
+        y = gated.silu_mul(run(*args))
+    return y if residual is None else rmsnorm.add_residual(y, residual)
 
 
 BACKEND = Backend(
@@ -160,7 +178,8 @@ BACKEND = Backend(
     available=_available,
     prepare=prepare,
     gemm=gemm,
-    options=frozenset({"fp8_activations", "kernel", "epilogue"}),
+    options=frozenset({"fp8_activations", "kernel", "epilogue", "rms_norm", "residual"}),
     unprepare=unprepare,
+    fusions=fusions,
 )
 register(BACKEND)

@@ -13,6 +13,11 @@
 // latency exposed. Split-K over the CTAs of a cluster, the partials summed through distributed shared
 // memory in rank order. With GATED the weight holds gate/up row pairs (kernels/gated.py: rows g and g + 8
 // of a row group, one thread's two accumulator halves) and y gets silu(gate) * up, N / 2 columns.
+// With NORM (kernels/rmsnorm.py) x is h and the kernel computes y = W rmsnorm(h) * norm_weight: a norm warp
+// takes each stage as it lands, sums the squares of h's rows and multiplies h by norm_weight in place (bf16,
+// as the module rounds it) before the consumers' ready barrier; the epilogue scales the rows by
+// rsqrt(sum / K + eps), the sums of a cluster's K parts added in rank order. With RESID y = residual + ...,
+// added in float32 before the rounding.
 //
 // The dispatch takes it where decode_ws.ring_wins. Compiled after wgmma_ws.cuh's source, whose helpers it uses.
 
@@ -20,7 +25,7 @@ namespace ms90 {
 
 // A stage: x's STEPS boxes of BM rows, then the words [RGS][STEPS][DATA_BYTES], then the scales
 // [RGS][STEPS][SCALE_BYTES] (the TMA boxes' order), padded to 1024 bytes; the full/empty barriers after the ring.
-template <int FMT, int BM, int RGS, int STEPS, int STAGES>
+template <int FMT, int BM, int RGS, int STEPS, int STAGES, int NORM>
 struct RingSmem {
   static constexpr int X_STEP = BM * X_ROW_BYTES;  // one K step of x, 128B-swizzled rows
   static constexpr int X_BYTES = STEPS * X_STEP;
@@ -30,7 +35,9 @@ struct RingSmem {
   static constexpr int STAGE = (STAGE_TX + 1023) / 1024 * 1024;
   static constexpr int FULL_OFF = STAGES * STAGE;
   static constexpr int EMPTY_OFF = FULL_OFF + 8 * STAGES;
-  static constexpr int BYTES = EMPTY_OFF + 8 * STAGES + 1024;
+  static constexpr int READY_OFF = EMPTY_OFF + 8 * STAGES;  // NORM: x normalized, per stage
+  static constexpr int SUMSQ_OFF = READY_OFF + (NORM ? 8 * STAGES : 0);  // NORM: x's sums of squares, BM floats
+  static constexpr int BYTES = SUMSQ_OFF + (NORM ? 4 * BM : 0) + 1024;
   static constexpr int ACC = BM / 2;  // fp32 accumulators per thread
   static_assert(X_STEP % 1024 == 0, "swizzled x boxes must stay 1024-byte aligned");
   static_assert(RGS * 32 * ACC * 4 <= FULL_OFF, "the split-K partial must fit in the ring");
@@ -70,24 +77,105 @@ __device__ __forceinline__ void ring_step(float (&acc)[BM / 2], u32 w_addr, u32 
   }
 }
 
-template <int FMT, int BM, int RGS, int KW, int STEPS, int STAGES, int SPLIT, int GATED>
-__global__ void __launch_bounds__((RGS * KW + 1) * 32)
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The norm warp (NORM): for each stage, as it lands, every bf16 of x's rows m < M gets its square added to
+// the row's sum and is multiplied by norm_weight in place; then the stage is ready for the consumers. Lane
+// (8 q + c) takes 16-byte chunk c of rows q, q + 4, ... of every K step; the chunks of norm_weight a stage
+// needs are loaded one stage ahead. The row sums end in shared memory at sumsq (in lanes' order, then a
+// butterfly over the 8 lanes of a row: the same order in every CTA and run).
+template <int BM, int STEPS, int STAGES, int X_STEP, int STAGE>
+__device__ __forceinline__ void normalize_stages(u32 smem, u32 full, u32 ready, u32 sumsq,
+                                                 const u16* __restrict__ norm_weight, int kt0, int stages_mine,
+                                                 int M, int K) {
+  const int lane = threadIdx.x % 32, c = lane % 8, q = lane / 8;
+  float ss[BM / 4];
+#pragma unroll
+  for (int r = 0; r < BM / 4; ++r) ss[r] = 0.0f;
+  auto load_weight = [&](int i, u32 (&w)[STEPS][4]) {
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      const int k = (kt0 + i * STEPS + s) * 64 + 8 * c;
+      if (i < stages_mine && k < K) {  // K % 8 == 0: a chunk is all in or all out
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[s][0]), "=r"(w[s][1]), "=r"(w[s][2]), "=r"(w[s][3]) : "l"(norm_weight + k));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[s][e] = 0u;
+      }
+    }
+  };
+  auto stage_pass = [&](int i, const u32 (&w)[STEPS][4], u32 (&w_next)[STEPS][4]) {
+    load_weight(i + 1, w_next);
+    const int stage = i % STAGES;
+    const u32 base = smem + stage * STAGE;
+    mbar_wait(full + 8 * stage, (i / STAGES) & 1);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+#pragma unroll
+      for (int r = 0; r < BM / 4; ++r) {
+        const int row = q + 4 * r;
+        if (row >= M) continue;  // rows past M are TMA's zeros, never stored
+        const u32 addr = base + s * X_STEP + row * X_ROW_BYTES + ((c ^ (row % 8)) << 4);
+        u32 v[4];
+        ld_shared_v4(addr, v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float lo = __uint_as_float(v[e] << 16), hi = __uint_as_float(v[e] & 0xffff0000u);
+          ss[r] = fmaf(hi, hi, fmaf(lo, lo, ss[r]));
+          v[e] = mul_bf16x2(v[e], w[s][e]);
+        }
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v[0]), "r"(v[1]), "r"(v[2]),
+                     "r"(v[3]) : "memory");
+      }
+    }
+    // the stage's next bytes come by TMA (the async proxy): order these generic-proxy writes before them
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane == 0) mbar_arrive(ready + 8 * stage);
+  };
+  u32 w0[STEPS][4], w1[STEPS][4];
+  load_weight(0, w0);
+  for (int i = 0; i < stages_mine; i += 2) {  // two stages a trip: the weight chunks alternate registers
+    stage_pass(i, w0, w1);
+    if (i + 1 < stages_mine) stage_pass(i + 1, w1, w0);
+  }
+#pragma unroll
+  for (int r = 0; r < BM / 4; ++r) {
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o);
+    if (c == 0) asm volatile("st.shared.f32 [%0], %1;" :: "r"(sumsq + 4 * (q + 4 * r)), "f"(ss[r]) : "memory");
+  }
+}
+
+template <int FMT, int BM, int RGS, int KW, int STEPS, int STAGES, int SPLIT, int GATED, int NORM, int RESID>
+__global__ void __launch_bounds__((RGS * KW + 1 + NORM) * 32)
 decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__ TensorMap data_tmap,
                const __grid_constant__ TensorMap scale_tmap, const float* __restrict__ row_mult,
-               const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int steps) {
-  using L = RingSmem<FMT, BM, RGS, STEPS, STAGES>;
+               const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int steps,
+               const u16* __restrict__ norm_weight, float norm_eps, int K, const u16* __restrict__ residual,
+               int ldr) {
+  using L = RingSmem<FMT, BM, RGS, STEPS, STAGES, NORM>;
   static_assert(STEPS % KW == 0, "a stage's K steps are shared out among the KW warps of a row group");
   static_assert(RGS * KW * 32 * L::ACC * 4 <= L::FULL_OFF, "the partials must fit in the ring");
   constexpr int CONSUMERS = RGS * KW;
   extern __shared__ unsigned char smem_raw[];
   const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
-  const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF;
+  const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF, ready = smem + L::READY_OFF;
+  const u32 sumsq = smem + L::SUMSQ_OFF;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_tile = blockIdx.x / SPLIT;
   const int part = SPLIT == 1 ? 0 : static_cast<int>(cluster_rank());
   const int kt0 = part * steps;
   const int stages_mine = max(0, min(KT - kt0, steps)) / STEPS;  // steps and KT are multiples of STEPS
 
+  if (NORM && threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) mbar_init(ready + 8 * s, 1);  // fenced with the others'
+  }
   init_ring_barriers(full, empty, STAGES, CONSUMERS);
 
   float acc[L::ACC];
@@ -126,6 +214,10 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     } else {
       wait_prior_grid();  // every thread waits before it reaches release_dependents below
     }
+  } else if (NORM && warp > CONSUMERS) {  // the norm warp
+    wait_prior_grid();
+    normalize_stages<BM, STEPS, STAGES, L::X_STEP, L::STAGE>(smem, full, ready, sumsq, norm_weight, kt0,
+                                                             stages_mine, M, K);
   } else {
     wait_prior_grid();  // and the consumers store y, which the kernel before this one may still read
     const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (lane % 4) / 2;
@@ -133,7 +225,7 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     for (int i = 0; i < stages_mine; ++i) {
       const int stage = i % STAGES;
       const u32 base = smem + stage * L::STAGE;
-      mbar_wait(full + 8 * stage, (i / STAGES) & 1);
+      mbar_wait((NORM ? ready : full) + 8 * stage, (i / STAGES) & 1);
 #pragma unroll
       for (int j = 0; j < STEPS / KW; ++j) {
         const int s = kw + j * KW;
@@ -157,8 +249,10 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(partial + 4 * i), "f"(acc[i]), "f"(acc[i + 1]),
                    "f"(acc[i + 2]), "f"(acc[i + 3]) : "memory");
   };
+  if constexpr (KW > 1 || SPLIT > 1 || NORM) {
+    __syncthreads();  // every consumer is done with the ring (it takes the partials); the norm warp's sums are in
+  }
   if constexpr (KW > 1) {
-    __syncthreads();  // every consumer is done with the ring: it takes the partials
     if (warp < CONSUMERS && warp >= RGS) store_partial();
     __syncthreads();
     if (mine) {  // the row group's first warp adds the others' partials in warp order
@@ -176,7 +270,6 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     }
   }
   if constexpr (SPLIT > 1) {
-    if constexpr (KW == 1) __syncthreads();  // every consumer is done with the ring: it takes the partials
     if (mine) store_partial();
     cluster_sync();
     mine = warp < RGS && warp % SPLIT == part;  // each CTA sums and stores the rows of RGS / SPLIT warps
@@ -212,12 +305,32 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       for (int c = 0; c < 2; ++c) {
         const int m = 8 * j + 2 * t + c;
         if (m >= M) continue;
-        const float v0 = acc[4 * j + c] * mult[0] + add[0], v1 = acc[4 * j + 2 + c] * mult[1] + add[1];
+        float rstd = 1.0f;
+        if constexpr (NORM) {  // the K parts' sums in rank order: the same total in every CTA of the cluster
+          float total = 0.0f;
+#pragma unroll
+          for (int r = 0; r < SPLIT; ++r) {
+            float v;
+            if constexpr (SPLIT > 1) {
+              asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(map_to_rank(sumsq + 4 * m, r)) : "memory");
+            } else {
+              asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(sumsq + 4 * m) : "memory");
+            }
+            total += v;
+          }
+          rstd = rsqrtf(total / static_cast<float>(K) + norm_eps);
+        }
+        const float v0 = acc[4 * j + c] * rstd * mult[0] + add[0], v1 = acc[4 * j + 2 + c] * rstd * mult[1] + add[1];
+        auto store = [&](int col, float v) {
+          const long at = static_cast<long>(m) * ldy + col;
+          if constexpr (RESID) v += __uint_as_float(static_cast<u32>(residual[static_cast<long>(m) * ldr + col]) << 16);
+          y[at] = bf16_bits(v);
+        };
         if constexpr (GATED) {  // the pair (gate, up) -> output column 8 (row group) + g
-          if (n0 < N) y[static_cast<long>(m) * ldy + n0 / 16 * 8 + g] = bf16_bits(v0 / (1.0f + __expf(-v0)) * v1);
+          if (n0 < N) store(n0 / 16 * 8 + g, v0 / (1.0f + __expf(-v0)) * v1);
         } else {
-          if (n0 < N) y[static_cast<long>(m) * ldy + n0] = bf16_bits(v0);
-          if (n0 + 8 < N) y[static_cast<long>(m) * ldy + n0 + 8] = bf16_bits(v1);
+          if (n0 < N) store(n0, v0);
+          if (n0 + 8 < N) store(n0 + 8, v1);
         }
       }
     }

@@ -3,7 +3,8 @@
 The dispatch takes it where ring_wins (docs/dispatch.md). The kernel is CUDA C++ compiled at run time by NVRTC,
 after wgmma_ws.cuh's source (its decode routines, TMA and barrier helpers). Its tensor maps are wgmma_ws's
 (map_args): x's boxes are one K step by block_m rows (128B swizzle), the weight's `steps` K steps by `groups`
-row groups.
+row groups. Beyond y = x W^T + bias a kernel variant may take the gated epilogue (kernels/gated.py), an RMSNorm of
+x in front (a norm warp; kernels/rmsnorm.py) and a residual add behind.
 """
 
 from dataclasses import dataclass, replace
@@ -53,9 +54,11 @@ class RingConfig:
         data, scale = wgmma_ws.step_bytes(fmt_code)
         return -(-self.steps * (self.block_m * 128 + self.groups * (data + scale)) // 1024) * 1024
 
-    def smem_bytes(self, fmt_code: int) -> int:
-        """RingSmem<>::BYTES of the kernel source: the stages, their barriers, alignment slack."""
-        return self.stages * self.stage_bytes(fmt_code) + 16 * self.stages + 1024
+    def smem_bytes(self, fmt_code: int, norm: bool = False) -> int:
+        """RingSmem<>::BYTES of the kernel source: the stages, their barriers, alignment slack; with the norm
+        warp its ready barriers and block_m row sums."""
+        extra = 8 * self.stages + 4 * self.block_m if norm else 0
+        return self.stages * self.stage_bytes(fmt_code) + 16 * self.stages + extra + 1024
 
 
 @lru_cache(maxsize=None)
@@ -129,24 +132,35 @@ def source() -> str:
     return wgmma_ws.source() + "\n" + SOURCE_PATH.read_text()
 
 
-def name_expression(fmt_code: int, cfg: RingConfig, gated: bool = False) -> str:
+def variant(fmt_code: int, cfg: RingConfig, gated: bool = False, norm: bool = False, residual: bool = False) -> tuple:
+    """A kernel of the source: the format, the tiling and the fusions it is built with."""
+    return fmt_code, cfg, bool(gated), bool(norm), bool(residual)
+
+
+def name_expression(fmt_code: int, cfg: RingConfig, gated: bool = False, norm: bool = False,
+                    residual: bool = False) -> str:
     return (f"ms90::decode_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.groups}, {cfg.k_warps}, {cfg.steps}, {cfg.stages}, "
-            f"{cfg.split}, {int(gated)}>")
+            f"{cfg.split}, {int(gated)}, {int(norm)}, {int(residual)}>")
+
+
+def threads(cfg: RingConfig, norm: bool = False) -> int:
+    """The kernel's block: cfg's warps and, with the norm, the norm warp."""
+    return cfg.threads + 32 * bool(norm)
 
 
 @lru_cache(maxsize=None)
 def _compiled(variants: tuple) -> nvrtc.CompiledKernels:
-    """The kernels of (fmt_code, RingConfig, gated) variants; a static_assert per variant keeps smem_bytes equal
-    to the source's RingSmem<>::BYTES."""
-    checks = [f"static_assert(ms90::RingSmem<{f}, {c.block_m}, {c.groups}, {c.steps}, {c.stages}>::BYTES == "
-              f"{c.smem_bytes(f)}, \"RingConfig.smem_bytes differs from RingSmem::BYTES\");" for f, c, _ in variants]
+    """The kernels of `variant`s; a static_assert per variant keeps smem_bytes equal to the source's
+    RingSmem<>::BYTES."""
+    checks = [f"static_assert(ms90::RingSmem<{f}, {c.block_m}, {c.groups}, {c.steps}, {c.stages}, {int(norm)}>::BYTES "
+              f"== {c.smem_bytes(f, norm)}, \"RingConfig.smem_bytes differs from RingSmem::BYTES\");"
+              for f, c, _, norm, _ in variants]
     return nvrtc.compile_kernels(tuple(name_expression(*v) for v in variants),
                                  source=source() + "\n" + "\n".join(checks) + "\n", label=SOURCE_PATH.name, arch=ARCH)
 
 
 @lru_cache(maxsize=None)
-def _kernel(fmt_code: int, cfg: RingConfig, gated: bool, device_index: int):
-    variant = (fmt_code, cfg, gated)
+def _kernel(variant: tuple, device_index: int):
     return nvrtc.load_kernel(_compiled((variant,)), name_expression(*variant), device_index)
 
 
@@ -155,9 +169,10 @@ def supports(x: torch.Tensor) -> bool:
 
 
 def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int, cfg: RingConfig = None, out=None,
-                   gated: bool = False):
+                   gated: bool = False, norm: tuple = None, residual: torch.Tensor = None):
     """y = x @ W^T (+ bias) for bf16 x [M <= 16, K] and prepared weights (layout.shuffle_weights); gated: the
-    weight's rows are gate/up pairs and y [M, N / 2] = silu(gate) * up (kernels/gated.py)."""
+    weight's rows are gate/up pairs and y [M, N / 2] = silu(gate) * up (kernels/gated.py); norm = (weight [K],
+    eps): the GEMM of rmsnorm(x) * weight; residual [M, N or N / 2]: added to y (kernels/rmsnorm.py)."""
     m = x.shape[0]
     if not supports(x):
         raise ValueError(f"decode_ws: x must be bf16 [M <= {MAX_M}, K] with unit column stride and 16-byte-aligned "
@@ -176,16 +191,30 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
     y = torch.empty(m, n // 2 if gated else n, dtype=torch.bfloat16, device=x.device) if out is None else out
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
+    norm_weight, eps = (None, 0.0) if norm is None else norm
+    if norm_weight is not None:
+        if tuple(norm_weight.shape) != (k,):
+            raise ValueError(f"decode_ws: norm weight of shape {tuple(norm_weight.shape)} does not match K={k}")
+        norm_weight = norm_weight.to(torch.bfloat16).contiguous()  # 16-byte loads: a fresh tensor is aligned
+        if norm_weight.data_ptr() % 16:
+            norm_weight = norm_weight.clone()
+    if residual is not None:
+        if tuple(residual.shape) != tuple(y.shape) or residual.dtype != torch.bfloat16 or residual.stride(1) != 1:
+            raise ValueError(f"decode_ws: residual must be bf16 of the output's shape {tuple(y.shape)} with unit "
+                             f"column stride, got {residual.dtype} of shape {tuple(residual.shape)}")
     tiles = -(-np_ // (ROW_GROUP * cfg.groups))  # a last tile past the rows reads zeros (TMA) and stores nothing
     steps = -(-kt // cfg.split // cfg.steps) * cfg.steps  # per K part, whole stages
     args = (*wgmma_ws.map_args(x, cfg.block_m, data, scale, fmt_code, cfg.groups, cfg.steps), row_mult.data_ptr(),
             0 if bias is None else bias.data_ptr(), y.data_ptr(), np.int32(m), np.int32(n), np.int32(kt),
-            np.int32(y.stride(0)), np.int32(steps))
+            np.int32(y.stride(0)), np.int32(steps), 0 if norm_weight is None else norm_weight.data_ptr(),
+            np.float32(eps), np.int32(k), 0 if residual is None else residual.data_ptr(),
+            np.int32(0 if residual is None else residual.stride(0)))
     programmatic = programmatic_launch(x.device)
-    smem = cfg.smem_bytes(fmt_code)
+    fused = variant(fmt_code, cfg, gated, norm_weight is not None, residual is not None)
+    smem = cfg.smem_bytes(fmt_code, norm_weight is not None)
     if programmatic:  # more than half an SM: the next call's CTAs, launched early, never share an SM with these
         smem = max(smem, ONE_CTA_PER_SM_BYTES)
-    nvrtc.launch(_kernel(fmt_code, cfg, gated, device), clusters=tiles, cluster=cfg.split, block=cfg.threads,
+    nvrtc.launch(_kernel(fused, device), clusters=tiles, cluster=cfg.split, block=threads(cfg, norm_weight is not None),
                  smem_bytes=smem, device_index=device, stream_handle=torch.cuda.current_stream(x.device).cuda_stream,
                  args=args, programmatic=programmatic)
     return y

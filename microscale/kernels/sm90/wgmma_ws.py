@@ -206,11 +206,11 @@ def supports(x: torch.Tensor) -> bool:
     aligned = x.data_ptr() % 16 == 0 and (x.stride(0) * 2) % 16 == 0
     if not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and aligned):
         return False
-    return _have_cuda_python()
+    return have_cuda_python()
 
 
 @lru_cache(maxsize=None)
-def _have_cuda_python() -> bool:
+def have_cuda_python() -> bool:
     try:
         import cuda.core  # noqa: F401
     except ImportError:
