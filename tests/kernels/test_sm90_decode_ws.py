@@ -110,19 +110,22 @@ def _opcodes(build, fmt, cfg, gated=False, norm=False, residual=False):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("cfg", NORM_CONFIGS, ids=lambda c: f"bm{c.block_m}-kw{c.k_warps}-split{c.split}")
 def test_norm_warp_scales_each_stage_in_place(build, fmt, gated, cfg):
-    """With the norm (kernels/rmsnorm.py) one more warp takes each stage after its full barrier: per K step and x row
-    of its lane (block_m / 4 of them) it loads 16 bytes, adds their squares (2 FFMA per bf16 pair), multiplies them by
-    the norm weight (one HMUL2.BF16 per pair, 4 per chunk) and stores them back, for two stages a trip; each stage
-    then a fence against the next TMA write into it and an arrive on the stage's ready barrier. The consumers' MMAs
-    are the plain kernel's; the epilogue takes one rsqrt per output row. Nothing spills in 64K registers with the
-    extra warp."""
+    """With the norm (kernels/rmsnorm.py) one more warp: it copies its slice of the norm weight into shared memory
+    (LDGSTS) before griddepcontrol.wait, then takes each stage after its full barrier: per K step and x row of its
+    lane (block_m / 4 of them) it loads 16 bytes, adds their squares (2 FFMA per bf16 pair), multiplies them by the
+    norm weight (one HMUL2.BF16 per pair, 4 per chunk) and stores them back; each stage then a fence against the next
+    TMA write into it and an arrive on the stage's ready barrier. The consumers' MMAs are the plain kernel's; the
+    epilogue takes one rsqrt per output row. Nothing spills in 64K registers with the extra warp."""
     plain, _ = _opcodes(build, fmt, cfg, gated)
     norm, res = _opcodes(build, fmt, cfg, gated, norm=True)
     count = lambda ops, name: sum(o.startswith(name) for o in ops)  # noqa: E731
     per_stage = cfg.steps * cfg.block_m // 4 * 4  # pairs' HMUL2 = chunks x 4 words
-    assert count(norm, "HMUL2.BF16") - count(plain, "HMUL2.BF16") == 2 * per_stage
-    assert count(norm, "FFMA") - count(plain, "FFMA") >= 2 * 2 * per_stage
-    assert count(norm, "FENCE.VIEW.ASYNC.S") - count(plain, "FENCE.VIEW.ASYNC.S") == 2
+    assert count(norm, "HMUL2.BF16") - count(plain, "HMUL2.BF16") == per_stage
+    assert count(norm, "FFMA") - count(plain, "FFMA") >= 2 * per_stage
+    assert count(norm, "FENCE.VIEW.ASYNC.S") - count(plain, "FENCE.VIEW.ASYNC.S") == 1
+    copies = [i for i, o in enumerate(norm) if o.startswith("LDGSTS.E.BYPASS.128")]
+    waits = [i for i, o in enumerate(norm) if o == "ACQBULK"]  # the norm warp's one wait follows its copies
+    assert copies and len(waits) == count(plain, "ACQBULK") + 1 and any(w > max(copies) for w in waits)
     assert count(norm, "HMMA") == count(plain, "HMMA")
     assert count(norm, "MUFU.RSQ") > count(plain, "MUFU.RSQ")
     shuffles = count(norm, "SHFL.BFLY") - count(plain, "SHFL.BFLY")  # 3 per row sum over 8 lanes (code may repeat)
@@ -151,7 +154,8 @@ def test_residual_is_loaded_once_per_stored_output(build, fmt, gated, cfg):
 def test_norm_adds_its_barriers_and_row_sums_to_the_shared_memory():
     for cfg in NORM_CONFIGS:
         for f in FMT_CODE.values():
-            assert cfg.smem_bytes(f, norm=True) - cfg.smem_bytes(f) == 8 * cfg.stages + 4 * cfg.block_m
+            extra = cfg.smem_bytes(f, norm=True) - cfg.smem_bytes(f)
+            assert 8 * cfg.stages + 4 * cfg.block_m <= extra < 8 * cfg.stages + 4 * cfg.block_m + 16 and extra % 16 == 0
 
 
 def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkeypatch):

@@ -37,7 +37,9 @@ struct RingSmem {
   static constexpr int EMPTY_OFF = FULL_OFF + 8 * STAGES;
   static constexpr int READY_OFF = EMPTY_OFF + 8 * STAGES;  // NORM: x normalized, per stage
   static constexpr int SUMSQ_OFF = READY_OFF + (NORM ? 8 * STAGES : 0);  // NORM: x's sums of squares, BM floats
-  static constexpr int BYTES = SUMSQ_OFF + (NORM ? 4 * BM : 0) + 1024;
+  // NORM: the K part's slice of the norm weight, `steps` x 128 bytes (a launch-time size) after BYTES' share
+  static constexpr int WEIGHT_OFF = (SUMSQ_OFF + (NORM ? 4 * BM : 0) + 15) / 16 * 16;
+  static constexpr int BYTES = WEIGHT_OFF + 1024;
   static constexpr int ACC = BM / 2;  // fp32 accumulators per thread
   static_assert(X_STEP % 1024 == 0, "swizzled x boxes must stay 1024-byte aligned");
   static_assert(RGS * 32 * ACC * 4 <= FULL_OFF, "the split-K partial must fit in the ring");
@@ -83,39 +85,36 @@ __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
   return d;
 }
 
-// The norm warp (NORM): for each stage, as it lands, every bf16 of x's rows m < M gets its square added to
-// the row's sum and is multiplied by norm_weight in place; then the stage is ready for the consumers. Lane
-// (8 q + c) takes 16-byte chunk c of rows q, q + 4, ... of every K step; the chunks of norm_weight a stage
-// needs are loaded one stage ahead. The row sums end in shared memory at sumsq (in lanes' order, then a
-// butterfly over the 8 lanes of a row: the same order in every CTA and run).
+// The norm warp (NORM): first its K part's slice of norm_weight into shared memory at `weight` (cp.async, zeros
+// past K; a constant, so before griddepcontrol.wait); then for each stage, as it lands, every bf16 of x's rows
+// m < M gets its square added to the row's sum and is multiplied by the norm weight in place, and the stage is
+// ready for the consumers. Lane (8 q + c) takes 16-byte chunk c of rows q, q + 4, ... of every K step. The row
+// sums end in shared memory at sumsq (in lanes' order, then a butterfly over the 8 lanes of a row: the same
+// order in every CTA and run).
 template <int BM, int STEPS, int STAGES, int X_STEP, int STAGE>
-__device__ __forceinline__ void normalize_stages(u32 smem, u32 full, u32 ready, u32 sumsq,
+__device__ __forceinline__ void normalize_stages(u32 smem, u32 full, u32 ready, u32 sumsq, u32 weight,
                                                  const u16* __restrict__ norm_weight, int kt0, int stages_mine,
                                                  int M, int K) {
   const int lane = threadIdx.x % 32, c = lane % 8, q = lane / 8;
+  for (int j = lane; j < stages_mine * STEPS * 8; j += 32) {  // K % 8 == 0: a chunk is all in or all out
+    const int k = kt0 * 64 + 8 * j;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(weight + 16 * j), "l"(norm_weight + (k < K ? k : 0)), "r"(k < K ? 16 : 0) : "memory");
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncwarp();
+  wait_prior_grid();
   float ss[BM / 4];
 #pragma unroll
   for (int r = 0; r < BM / 4; ++r) ss[r] = 0.0f;
-  auto load_weight = [&](int i, u32 (&w)[STEPS][4]) {
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      const int k = (kt0 + i * STEPS + s) * 64 + 8 * c;
-      if (i < stages_mine && k < K) {  // K % 8 == 0: a chunk is all in or all out
-        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(w[s][0]), "=r"(w[s][1]), "=r"(w[s][2]), "=r"(w[s][3]) : "l"(norm_weight + k));
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) w[s][e] = 0u;
-      }
-    }
-  };
-  auto stage_pass = [&](int i, const u32 (&w)[STEPS][4], u32 (&w_next)[STEPS][4]) {
-    load_weight(i + 1, w_next);
+  for (int i = 0; i < stages_mine; ++i) {
     const int stage = i % STAGES;
     const u32 base = smem + stage * STAGE;
     mbar_wait(full + 8 * stage, (i / STAGES) & 1);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
+      u32 w[4];
+      ld_shared_v4(weight + ((i * STEPS + s) * 8 + c) * 16, w);
 #pragma unroll
       for (int r = 0; r < BM / 4; ++r) {
         const int row = q + 4 * r;
@@ -127,7 +126,7 @@ __device__ __forceinline__ void normalize_stages(u32 smem, u32 full, u32 ready, 
         for (int e = 0; e < 4; ++e) {
           const float lo = __uint_as_float(v[e] << 16), hi = __uint_as_float(v[e] & 0xffff0000u);
           ss[r] = fmaf(hi, hi, fmaf(lo, lo, ss[r]));
-          v[e] = mul_bf16x2(v[e], w[s][e]);
+          v[e] = mul_bf16x2(v[e], w[e]);
         }
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v[0]), "r"(v[1]), "r"(v[2]),
                      "r"(v[3]) : "memory");
@@ -137,12 +136,6 @@ __device__ __forceinline__ void normalize_stages(u32 smem, u32 full, u32 ready, 
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     if (lane == 0) mbar_arrive(ready + 8 * stage);
-  };
-  u32 w0[STEPS][4], w1[STEPS][4];
-  load_weight(0, w0);
-  for (int i = 0; i < stages_mine; i += 2) {  // two stages a trip: the weight chunks alternate registers
-    stage_pass(i, w0, w1);
-    if (i + 1 < stages_mine) stage_pass(i + 1, w1, w0);
   }
 #pragma unroll
   for (int r = 0; r < BM / 4; ++r) {
@@ -214,10 +207,9 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     } else {
       wait_prior_grid();  // every thread waits before it reaches release_dependents below
     }
-  } else if (NORM && warp > CONSUMERS) {  // the norm warp
-    wait_prior_grid();
-    normalize_stages<BM, STEPS, STAGES, L::X_STEP, L::STAGE>(smem, full, ready, sumsq, norm_weight, kt0,
-                                                             stages_mine, M, K);
+  } else if (NORM && warp > CONSUMERS) {  // the norm warp (it waits for the prior grid after its weight loads)
+    normalize_stages<BM, STEPS, STAGES, L::X_STEP, L::STAGE>(smem, full, ready, sumsq, smem + L::WEIGHT_OFF,
+                                                             norm_weight, kt0, stages_mine, M, K);
   } else {
     wait_prior_grid();  // and the consumers store y, which the kernel before this one may still read
     const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (lane % 4) / 2;

@@ -56,9 +56,9 @@ class RingConfig:
 
     def smem_bytes(self, fmt_code: int, norm: bool = False) -> int:
         """RingSmem<>::BYTES of the kernel source: the stages, their barriers, alignment slack; with the norm
-        warp its ready barriers and block_m row sums."""
+        warp its ready barriers and block_m row sums (the launch adds its slice of the norm weight)."""
         extra = 8 * self.stages + 4 * self.block_m if norm else 0
-        return self.stages * self.stage_bytes(fmt_code) + 16 * self.stages + extra + 1024
+        return -(-(self.stages * self.stage_bytes(fmt_code) + 16 * self.stages + extra) // 16) * 16 + 1024
 
 
 @lru_cache(maxsize=None)
@@ -211,7 +211,7 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
             np.int32(0 if residual is None else residual.stride(0)))
     programmatic = programmatic_launch(x.device)
     fused = variant(fmt_code, cfg, gated, norm_weight is not None, residual is not None)
-    smem = cfg.smem_bytes(fmt_code, norm_weight is not None)
+    smem = cfg.smem_bytes(fmt_code, norm_weight is not None) + (0 if norm_weight is None else steps * 128)
     if programmatic:  # more than half an SM: the next call's CTAs, launched early, never share an SM with these
         smem = max(smem, ONE_CTA_PER_SM_BYTES)
     nvrtc.launch(_kernel(fused, device), clusters=tiles, cluster=cfg.split, block=threads(cfg, norm_weight is not None),
