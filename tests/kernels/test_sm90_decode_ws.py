@@ -151,6 +151,22 @@ def test_residual_is_loaded_once_per_stored_output(build, fmt, gated, cfg):
         assert res.get("LOCAL", 0) == 0
 
 
+@pytest.mark.parametrize("fmt", list(FMT_CODE))
+@pytest.mark.parametrize("cfg", NORM_CONFIGS, ids=lambda c: f"bm{c.block_m}-kw{c.k_warps}-split{c.split}")
+def test_epilogue_operands_load_before_the_k_loop(build, fmt, cfg):
+    """Every global load of the kernel (the rows' factors and bias; the residual) comes before its first MMA, so the
+    kernel's tail has no memory round trip but its stores; the factors and bias before griddepcontrol.wait (they are
+    constants), the residual after it (a kernel's output), one load per stored output."""
+    for gated, norm, residual in FUSED:
+        ops, _ = _opcodes(build, fmt, cfg, gated, norm, residual)
+        loads = [i for i, o in enumerate(ops) if o.startswith("LDG.")]  # not the norm warp's LDGSTS
+        first_wait = ops.index("ACQBULK")
+        assert loads and max(loads) < min(i for i, o in enumerate(ops) if o.startswith("HMMA"))
+        assert sum(i < first_wait for i in loads) >= 4  # 2 factors (LDG.E), 2 bias values (LDG.E.U16)
+        stores = sum(o.startswith("STG") for o in ops)
+        assert sum(i > first_wait for i in loads) == (stores if residual else 0)
+
+
 def test_norm_adds_its_barriers_and_row_sums_to_the_shared_memory():
     for cfg in NORM_CONFIGS:
         for f in FMT_CODE.values():

@@ -174,6 +174,44 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
   float acc[L::ACC];
 #pragma unroll
   for (int i = 0; i < L::ACC; ++i) acc[i] = 0.0f;
+
+  // The epilogue's operands are loaded before the K loop, so that they add no memory round trip to the kernel's
+  // tail: the rows' factors and bias (constants, before griddepcontrol.wait) and the residual (after it). After
+  // the split-K sum, warp w < RGS of the CTA with rank w % SPLIT stores weight rows n0 and n0 + 8 of its tile.
+  const int g = lane / 4, t = lane % 4;
+  const int n0 = (n_tile * RGS + warp) * 16 + g;
+  const bool stores = warp < RGS && warp % SPLIT == part;
+  float mult[2] = {0.0f, 0.0f}, add[2] = {0.0f, 0.0f};
+  // [j][c][h]: activation row 8 j + 2 t + c, weight row n0 + 8 h (GATED: h = 0); -0 adds nothing, to -0 too
+  float res[BM / 8][2][2];
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j) res[j][0][0] = res[j][0][1] = res[j][1][0] = res[j][1][1] = -0.0f;
+  if (stores) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = min(n0 + 8 * h, N - 1);  // rows past N are computed and never stored
+      mult[h] = row_mult[n];
+      add[h] = bias != nullptr ? __uint_as_float(static_cast<u32>(bias[n]) << 16) : 0.0f;
+    }
+  }
+  auto load_residual = [&]() {
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int m = 8 * j + 2 * t + c;
+        if (m >= M || n0 >= N) continue;
+        const u16* row = residual + static_cast<long>(m) * ldr;
+        if constexpr (GATED) {
+          res[j][c][0] = __uint_as_float(static_cast<u32>(row[n0 / 16 * 8 + g]) << 16);
+        } else {
+          res[j][c][0] = __uint_as_float(static_cast<u32>(row[n0]) << 16);
+          if (n0 + 8 < N) res[j][c][1] = __uint_as_float(static_cast<u32>(row[n0 + 8]) << 16);
+        }
+      }
+    }
+  };
+
   if (warp == CONSUMERS) {
     if (lane == 0) {
       prefetch_tensormap(&x_tmap);
@@ -212,6 +250,7 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
                                                              norm_weight, kt0, stages_mine, M, K);
   } else {
     wait_prior_grid();  // and the consumers store y, which the kernel before this one may still read
+    if (RESID && stores) load_residual();
     const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (lane % 4) / 2;
     const int group = warp % RGS, kw = warp / RGS;
     for (int i = 0; i < stages_mine; ++i) {
@@ -281,16 +320,7 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       }
     }
   }
-  if (mine) {
-    const int g = lane / 4, t = lane % 4;
-    const int n0 = (n_tile * RGS + warp) * 16 + g;
-    float mult[2], add[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = min(n0 + 8 * h, N - 1);  // rows past N are computed and never stored
-      mult[h] = row_mult[n];
-      add[h] = bias != nullptr ? __uint_as_float(static_cast<u32>(bias[n]) << 16) : 0.0f;
-    }
+  if (stores) {
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
 #pragma unroll
@@ -313,16 +343,12 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
           rstd = rsqrtf(total / static_cast<float>(K) + norm_eps);
         }
         const float v0 = acc[4 * j + c] * rstd * mult[0] + add[0], v1 = acc[4 * j + 2 + c] * rstd * mult[1] + add[1];
-        auto store = [&](int col, float v) {
-          const long at = static_cast<long>(m) * ldy + col;
-          if constexpr (RESID) v += __uint_as_float(static_cast<u32>(residual[static_cast<long>(m) * ldr + col]) << 16);
-          y[at] = bf16_bits(v);
-        };
+        u16* row = y + static_cast<long>(m) * ldy;
         if constexpr (GATED) {  // the pair (gate, up) -> output column 8 (row group) + g
-          if (n0 < N) store(n0 / 16 * 8 + g, v0 / (1.0f + __expf(-v0)) * v1);
+          if (n0 < N) row[n0 / 16 * 8 + g] = bf16_bits(v0 / (1.0f + __expf(-v0)) * v1 + res[j][c][0]);
         } else {
-          if (n0 < N) store(n0, v0);
-          if (n0 + 8 < N) store(n0 + 8, v1);
+          if (n0 < N) row[n0] = bf16_bits(v0 + res[j][c][0]);
+          if (n0 + 8 < N) row[n0 + 8] = bf16_bits(v1 + res[j][c][1]);
         }
       }
     }
