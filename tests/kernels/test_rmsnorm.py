@@ -83,7 +83,6 @@ def test_forward_norm_comes_before_activation_quantization(seed):
 
 
 def test_gated_layer_takes_the_residual_after_its_epilogue(seed):
-    from microscale.kernels import gated
     from microscale.models.linear import fuse_gated
 
     gate, up = (_layer(FP4Linear, "nvfp4", n=16, k=64, bias=False) for _ in range(2))
@@ -95,7 +94,6 @@ def test_gated_layer_takes_the_residual_after_its_epilogue(seed):
     assert torch.equal(fused(x, residual=r), rmsnorm.add_residual(fused(x), r))
     with pytest.raises(ValueError, match=r"residual of shape \(2, 32\) does not match the output shape \(2, 16\)"):
         fused(x, residual=torch.zeros(2, 32, dtype=torch.bfloat16))
-    assert gated.output_features(32, "silu_mul") == 16
 
 
 def test_forward_rejects_mismatched_glue():
