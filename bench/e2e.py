@@ -326,8 +326,9 @@ def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_t
     ms = start.elapsed_time(end) / steps
     out = {"ms_per_step": ms, "tokens_equal_eager": same, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
            "compiled_step": compile_step, "attention": attention}
-    if fused:  # how many of the step's norms and residual adds ran in the GEMMs
-        out["glue_in_gemms"] = sum(len(f) for layer in dec.glue for f in layer)
+    if fused:  # how many of the step's norms (before q/k/v, gate/up) and residual adds (after o_proj, down) ran in GEMMs
+        out["glue_in_gemms"] = sum(what in f for layer in dec.glue
+                                   for f, what in zip(layer, ("rms_norm", "residual", "rms_norm", "residual")))
     # where the step goes: kernel time per class over profiled replays; idle = step - kernel time (the
     # gaps between kernels, which the graph does not remove). From the start position again: the cache
     # holds prompt_len + steps + check_tokens + 8 positions
