@@ -326,7 +326,7 @@ def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_t
     ms = start.elapsed_time(end) / steps
     out = {"ms_per_step": ms, "tokens_equal_eager": same, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
            "compiled_step": compile_step, "attention": attention}
-    if fused:  # how many of the step's norms (before q/k/v, gate/up) and residual adds (after o_proj, down) ran in GEMMs
+    if fused:  # how many of the norms (before q/k/v, gate/up) and residual adds (after o_proj, down) ran in GEMMs
         out["glue_in_gemms"] = sum(what in f for layer in dec.glue
                                    for f, what in zip(layer, ("rms_norm", "residual", "rms_norm", "residual")))
     # where the step goes: kernel time per class over profiled replays; idle = step - kernel time (the

@@ -232,9 +232,9 @@ def _glue_case(fmt, m, n, k, seed, eps=1e-5):
 def test_decode_ws_kernel_norm_and_residual(fmt, m, n, k, seed):
     """The norm warp and the residual add (kernels/rmsnorm.py) in ring_config's tiling, split-K over 2 CTAs (one and
     two warps per row group, a 2-stage ring that wraps) and over 3 (one with no K steps at K = 224), plain and over
-    gate/up pairs (n of them): outputs NaN-poisoned, against float64 of the kernel's definition. The bound adds to _check's the
-    error of rstd: a float32 sum of K squares in lanes of K / 8 (at most K 2**-27 relative) and the approximate
-    rsqrt (2**-21), times |rstd W x'|."""
+    gate/up pairs (n of them): outputs NaN-poisoned, against float64 of the kernel's definition. The bound adds to
+    _check's the error of rstd: a float32 sum of K squares in lanes of K / 8 (at most K 2**-27 relative) and the
+    approximate rsqrt (2**-21), times |rstd W x'|."""
     from microscale.kernels.gated import interleave_index
     from microscale.kernels.sm90 import decode_ws as D, prepare
     from microscale.kernels.sm90.decode import FMT_CODE

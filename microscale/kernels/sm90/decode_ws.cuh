@@ -334,7 +334,8 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
           for (int r = 0; r < SPLIT; ++r) {
             float v;
             if constexpr (SPLIT > 1) {
-              asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(map_to_rank(sumsq + 4 * m, r)) : "memory");
+              asm volatile("ld.shared::cluster.f32 %0, [%1];"
+                           : "=f"(v) : "r"(map_to_rank(sumsq + 4 * m, r)) : "memory");
             } else {
               asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(sumsq + 4 * m) : "memory");
             }
