@@ -123,3 +123,11 @@ def test_available_where_run_or_self_tested(monkeypatch, cc, tested):
     want = {(9, 0): True}.get(cc, bool(tested))
     assert sm90._available(torch.device("cuda")) is want
     assert calls == ([] if tested is None else [("sm90", sm90.SELFTEST_PAIRS)])
+
+
+@pytest.mark.parametrize("epilogue,columns", [(None, 32), ("silu_mul", 16)])
+def test_no_rows_give_the_output_width(epilogue, columns):
+    """M = 0 returns before any kernel: [0, N], or [0, N / 2] for gate/up pairs."""
+    y = sm90.gemm(torch.empty(0, 64, dtype=torch.bfloat16), None, None, None, None, fmt="nvfp4", n=32, k=64,
+                  options={"epilogue": epilogue})
+    assert y.shape == (0, columns)
