@@ -191,7 +191,7 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     for (int h = 0; h < 2; ++h) {
       const int n = min(n0 + 8 * h, N - 1);  // rows past N are computed and never stored
       mult[h] = row_mult[n];
-      add[h] = bias != nullptr ? __uint_as_float(static_cast<u32>(bias[n]) << 16) : 0.0f;
+      add[h] = bias != nullptr ? bf16_value(bias[n]) : 0.0f;
     }
   }
   auto load_residual = [&]() {
@@ -203,10 +203,10 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
         if (m >= M || n0 >= N) continue;
         const u16* row = residual + static_cast<long>(m) * ldr;
         if constexpr (GATED) {
-          res[j][c][0] = __uint_as_float(static_cast<u32>(row[n0 / 16 * 8 + g]) << 16);
+          res[j][c][0] = bf16_value(row[n0 / 16 * 8 + g]);
         } else {
-          res[j][c][0] = __uint_as_float(static_cast<u32>(row[n0]) << 16);
-          if (n0 + 8 < N) res[j][c][1] = __uint_as_float(static_cast<u32>(row[n0 + 8]) << 16);
+          res[j][c][0] = bf16_value(row[n0]);
+          if (n0 + 8 < N) res[j][c][1] = bf16_value(row[n0 + 8]);
         }
       }
     }

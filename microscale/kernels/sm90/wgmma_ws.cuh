@@ -117,6 +117,8 @@ __device__ __forceinline__ void ld_shared_v4(u32 addr, u32* w) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr));
 }
 
+__device__ __forceinline__ float bf16_value(u16 bits) { return __uint_as_float(static_cast<u32>(bits) << 16); }
+
 __device__ __forceinline__ u32 bf16_bits(float v) {
   u16 h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -313,7 +315,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BM / 2], const flo
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     mult[h] = row_mult[n0 + 8 * h];
-    if (bias != nullptr && n0 + 8 * h < N) add[h] = __uint_as_float(static_cast<u32>(bias[n0 + 8 * h]) << 16);
+    if (bias != nullptr && n0 + 8 * h < N) add[h] = bf16_value(bias[n0 + 8 * h]);
   }
   const int m0 = m_tile * BM + 2 * t;
 #pragma unroll
