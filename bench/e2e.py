@@ -506,7 +506,9 @@ def markdown(results: dict) -> str:
         f"`fuse_gated` for gate/up, whose decode kernels store silu(gate) * up (runs from session 21 on); bf16 too, "
         f"its SiLU and product an Inductor kernel) and rotary, KV cache write and attention as one kernel "
         f"(bench/decode_attention.py, runs from session 22 on; before: Inductor's rotary kernel and SDPA, as in (b), (c)), "
-        f"its GPU time per class from a profile of {PROFILED_REPLAYS} replays (linear includes lm_head) and idle = step - "
+        f"the RMSNorms and residual adds in the quantized GEMMs whose kernel takes them (`QuantizedLinear.fusions`; "
+        f"rows whose run records `glue_in_gemms`, from session 25 on; before and for bf16: Inductor's add + norm "
+        f"kernels), its GPU time per class from a profile of {PROFILED_REPLAYS} replays (linear includes lm_head) and idle = step - "
         f"kernel time; (e) (d) with programmatic dependent launches (Inductor's kernels and microscale's decode "
         f"kernels; (d) has them off; cuBLAS uses none); "
         f"weights: parameters + buffers resident; peak: allocated during (b)-(e); '-': not measured.",
