@@ -303,7 +303,7 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
   if constexpr (SPLIT > 1) {
     if (mine) store_partial();
     cluster_sync();
-    mine = warp < RGS && warp % SPLIT == part;  // each CTA sums and stores the rows of RGS / SPLIT warps
+    mine = stores;  // each CTA sums and stores the rows of RGS / SPLIT warps
     if (mine) {
 #pragma unroll
       for (int i = 0; i < L::ACC; i += 4) {
