@@ -8,10 +8,13 @@ query heads of its group and the new key (in float32, rounded once to the cache'
 did), writes the new key and value into the cache at `pos`, and runs an online softmax over positions
 0 .. pos - 1 read from the cache plus position pos from its registers (so it never reads back its own write).
 Each block of cached positions loads while the one before is used, the first one before the kernel waits for
-the GEMM before it under a programmatic launch (NVFP4 step at batch 1: 2.110 -> 2.044 ms, run 22d).
-No split over positions: meant for the benchmark's contexts of a few hundred tokens (4.5 us per layer at 132
-positions, issue-bound at one warp per scheduler; at batch 1 only 8 programs run, so long contexts would want
-a split-KV kernel).
+the GEMM before it under a programmatic launch (NVFP4 step at batch 1: 2.110 -> 2.044 ms, run 22d). It
+releases the GEMM after it (o_proj) at its start: the 8 programs of batch 1 leave the other SMs free, where
+o_proj's CTAs start and load their first weight stages while attention runs (session 25: a per-CTA timeline
+showed o_proj entering only 0.5 us before attention ended; step 1.95 -> 1.91 ms, run 25e).
+No split over positions: meant for the benchmark's contexts of a few hundred tokens (at batch 1 only 8
+programs run, so long contexts would want a split-KV kernel). 8 warps per program: issue-bound at 4 (one warp
+per scheduler); step 1.913 -> 1.879 ms at 8, 16 warps or 32 / 128 positions per trip no faster (run 25f).
 """
 
 import math
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N, NUM_WARPS = 64, 4  # cached positions per loop trip; warps per program
+BLOCK_N, NUM_WARPS = 64, 8  # cached positions per loop trip; warps per program
 
 
 @triton.jit
@@ -38,6 +41,8 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
                             BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if PDL:  # the next GEMM's CTAs start now and load their first weights while this kernel runs
+        tl.extra.cuda.gdc_launch_dependents()
     G: tl.constexpr = HQ // HKV
     dtype = K_CACHE.dtype.element_ty
     d = tl.arange(0, D)
@@ -87,8 +92,6 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
         m_i = m_new
         k_block, v_block = k_next, v_next
         start += BLOCK_N
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     o = acc / l_i[:, None]
     tl.store(O + b * stride_o + q_rows + d[None, :], o.to(O.dtype.element_ty), mask=g_mask)
 
