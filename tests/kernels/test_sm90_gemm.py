@@ -261,11 +261,13 @@ def test_decode_ws_kernel_norm_and_residual(fmt, m, n, k, seed):
                 assert worst <= 1.0, f"{cfg} gated={gated} norm={use_norm} residual={use_residual}: {worst:.3f} x bound"
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (4, 4096, 4096), (32, 512, 1024)])
-def test_linear_glue_through_the_dispatch(m, n, k, seed):
-    """QuantizedLinear.forward with an RMSNorm module and a residual, where fusions(m) says the kernel takes them and
-    where it does not (M = 32): against float64 of residual + W norm(h), which each path rounds differently (the
-    fused kernel bf16(w h) into the MMA and rstd after it, the torch ops rstd h and w times it each to bf16)."""
+@pytest.mark.parametrize("m,n,k,fused", [(1, 4096, 4096, ("rms_norm", "residual")), (4, 4096, 4096, ("rms_norm", "residual")),
+                                         (16, 4096, 4096, ("residual",)), (32, 512, 1024, ())])
+def test_linear_glue_through_the_dispatch(m, n, k, fused, seed):
+    """QuantizedLinear.forward with an RMSNorm module and a residual, where fusions(m) says the kernel takes both,
+    only the residual (M = 16: the norm as torch ops in front of decode_ws) or neither (M = 32): against float64 of
+    residual + W norm(h), which each path rounds differently (the fused kernel bf16(w h) into the MMA and rstd
+    after it, the torch ops rstd h and w times it each to bf16)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from microscale import FP4Linear
     from microscale.kernels import rmsnorm
@@ -277,7 +279,7 @@ def test_linear_glue_through_the_dispatch(m, n, k, seed):
         norm.weight.copy_(torch.rand(k, device="cuda", generator=g) + 0.5)
     h = (torch.randn(m, k, device="cuda", generator=g) * 3).to(torch.bfloat16)
     residual = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
-    assert layer.fusions(m) == (frozenset() if m == 32 else frozenset(rmsnorm.FUSIONS))
+    assert layer.fusions(m) == frozenset(fused)
     y = layer(h, norm=norm, residual=residual)
     h64 = h.double()
     normed = norm.weight.double() * h64 / torch.sqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5)

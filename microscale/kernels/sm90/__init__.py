@@ -30,8 +30,9 @@ gemm: picks the kernel from M and the options (docs/dispatch.md):
   the rule (so the variable can ask for it for a whole model, prefill included).
   options["epilogue"] = "silu_mul" (gate/up row pairs, kernels/gated.py): applied in the epilogue by decode_ws and
   by decode with up to 8 activation rows per program (launch.decode_takes_gated), after the GEMM elsewhere.
-  options["rms_norm"] = (weight, eps), options["residual"] (kernels/rmsnorm.py): taken by decode_ws (a norm warp;
-  the add in the epilogue), torch ops around the other kernels; `fusions` says which a call's kernel takes.
+  options["rms_norm"] = (weight, eps), options["residual"] (kernels/rmsnorm.py): taken by decode_ws (a norm warp
+  up to decode_ws.NORM_MAX_M rows; the add in the epilogue), torch ops elsewhere; `fusions` says which a call's
+  kernel takes.
 """
 
 import os
@@ -130,7 +131,7 @@ def fusions(fmt: str, m: int, n: int, k: int, device, options: dict = None) -> f
     tma_ready = (k * 2) % 16 == 0 and wgmma_ws.have_cuda_python()
     kernel = choose_kernel(get_format(fmt).name, m, options or {}, torch.bfloat16, compute_capability(device), n,
                            tma_ready, k, paths.sm_count(paths.device_index(device)), paths.programmatic_launch(device))
-    return frozenset(rmsnorm.FUSIONS) if kernel == "decode_ws" else frozenset()
+    return decode_ws.fusions(m) if kernel == "decode_ws" else frozenset()
 
 
 def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
@@ -155,13 +156,14 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
     run = {"decode_ws": decode_ws.decode_ws_gemm, "decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm,
            "wgmma_ws": wgmma_ws.wgmma_ws_gemm, "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
     norm, residual = options.get("rms_norm"), options.get("residual")
+    takes = decode_ws.fusions(m) if kernel == "decode_ws" else frozenset()
+    if norm is not None and "rms_norm" not in takes:
+        x2d, norm = rmsnorm.rms_norm(x2d, *norm), None
     if kernel == "decode_ws":
         if residual is not None:
             residual = residual.to(torch.bfloat16).contiguous()
         return run(x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k, gated=epilogue is not None, norm=norm,
                    residual=residual)
-    if norm is not None:
-        x2d = rmsnorm.rms_norm(x2d, *norm)
     args = (x2d, data, scale, row_mult, bias, FMT_CODE[fmt], n, k)
     if epilogue is None:
         y = run(*args)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import nvrtc
+from .. import nvrtc, rmsnorm
 from ..gated import PAIR_ROWS
 from . import wgmma_ws
 from .launch import device_index, programmatic_launch, sm_count
@@ -34,6 +34,11 @@ IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 # Shared memory asked for under a programmatic dependent launch: two CTAs sharing an SM (the next call's,
 # started early) made back-to-back calls of 28672x8192 take 51-52 us instead of 36 (session 19, run 19c)
 ONE_CTA_PER_SM_BYTES = 116 * 1024
+# The norm warp pays off up to 8 activation rows (block_m 8). In the Llama-8B step (bench/e2e.py way (d), NVFP4,
+# profiles of session 25's run 25b against session 22's) it made the gate/up call 20.6 -> 22.0 us at batch 1, less
+# than the Inductor norm kernel it removes (step (e) 1.989 -> 1.949 ms, run 25a), but 23.1 -> 33.6 us at batch 16
+# (step (d) 2.473 -> 2.738 ms); the residual add cost nothing measurable at either (o_proj 7.6 -> 7.7 us at 16).
+NORM_MAX_M = 8
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,12 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, programmati
     if n * k <= 4096 * 4096 or (programmatic and m <= 8 and n * k <= PDL_SMALL_WEIGHT):
         return True
     return n >= 8192 and (m >= 2 or n >= 16384)
+
+
+def fusions(m: int) -> frozenset:
+    """Which of rmsnorm.FUSIONS the dispatch hands this kernel at M rows: the residual add, and the norm up to
+    NORM_MAX_M (the kernel takes both at any M; larger M gets the norm as torch ops)."""
+    return frozenset(f for f in rmsnorm.FUSIONS if f != "rms_norm" or m <= NORM_MAX_M)
 
 
 def source() -> str:
