@@ -261,8 +261,9 @@ def test_decode_ws_kernel_norm_and_residual(fmt, m, n, k, seed):
                 assert worst <= 1.0, f"{cfg} gated={gated} norm={use_norm} residual={use_residual}: {worst:.3f} x bound"
 
 
-@pytest.mark.parametrize("m,n,k,fused", [(1, 4096, 4096, ("rms_norm", "residual")), (4, 4096, 4096, ("rms_norm", "residual")),
-                                         (16, 4096, 4096, ("residual",)), (32, 512, 1024, ())])
+@pytest.mark.parametrize("m,n,k,fused", [(1, 4096, 4096, ("rms_norm", "residual")),
+                                         (4, 4096, 4096, ("rms_norm", "residual")), (16, 4096, 4096, ("residual",)),
+                                         (32, 512, 1024, ())])
 def test_linear_glue_through_the_dispatch(m, n, k, fused, seed):
     """QuantizedLinear.forward with an RMSNorm module and a residual, where fusions(m) says the kernel takes both,
     only the residual (M = 16: the norm as torch ops in front of decode_ws) or neither (M = 32): against float64 of
