@@ -36,8 +36,8 @@ IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 ONE_CTA_PER_SM_BYTES = 116 * 1024
 # The norm warp pays off up to 8 activation rows (block_m 8). In the Llama-8B step (bench/e2e.py way (d), NVFP4,
 # profiles of session 25's run 25b against session 22's) it made the gate/up call 20.6 -> 22.0 us at batch 1, less
-# than the Inductor norm kernel it removes (step (e) 1.989 -> 1.949 ms, run 25a), but 23.1 -> 33.6 us at batch 16
-# (step (d) 2.473 -> 2.738 ms); the residual add cost nothing measurable at either (o_proj 7.6 -> 7.7 us at 16).
+# than the Inductor norm kernel it removes (step (e) 1.989 / 1.988 -> 1.952 / 1.946 ms, run 25a), but 23.1 -> 33.6
+# us at batch 16 (step (d) 2.473 -> 2.738 ms), where the residual add cost nothing measurable (o_proj 7.6 -> 7.7 us).
 NORM_MAX_M = 8
 
 
