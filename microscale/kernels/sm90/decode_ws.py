@@ -31,6 +31,7 @@ MAX_WARPS = 32  # 1024 threads per CTA
 PDL_SMALL_WEIGHT = 4096 * 14336
 MAX_STAGE_BYTES = 48 * 1024
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
+MAX_RING_STEPS = 16  # K steps a ring holds at most
 # Shared memory asked for under a programmatic dependent launch: two CTAs sharing an SM (the next call's,
 # started early) made back-to-back calls of 28672x8192 take 51-52 us instead of 36 (session 19, run 19c)
 ONE_CTA_PER_SM_BYTES = 116 * 1024
@@ -72,7 +73,7 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
     closest to the SM count from below; on a tie the groups nearest 8 for FP4 and 4 for MXFP8 (twice the bytes
     per row). Weights of more than 16 row groups per SM take 16 and several waves of CTAs. 4 K steps per stage
     (2 when K has an odd number of pairs or 4 would pass MAX_STAGE_BYTES), as many stages as IN_FLIGHT_BYTES
-    hold, 2 to 16 K steps in all.
+    hold, 2 to MAX_RING_STEPS K steps in all.
     The choices the H200 sweeps of session 18 found fastest (bench/results/sweep_h200.json, runs 18c-18e):
     28672x8192 and 28672x4096 14 groups, split 1; 8192x8192 and 8192x28672 8 groups, split 2 (MXFP8: 4,
     split 1); 6144x4096 6, split 2; 4096x4096 4, split 2.
@@ -97,7 +98,7 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
     cfg = RingConfig(block_m=block_m, groups=groups, steps=4, stages=4, split=split, k_warps=k_warps)
     if kt % 4 or cfg.stage_bytes(fmt_code) > MAX_STAGE_BYTES:
         cfg = replace(cfg, steps=2)
-    return replace(cfg, stages=max(2, min(16 // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))))
+    return replace(cfg, stages=max(2, min(MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))))
 
 
 def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
