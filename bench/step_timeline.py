@@ -10,8 +10,9 @@ of 8 int64 per CTA taken by an atomic counter in a buffer whose address is compi
 them (a few percent slower). The kernels are told apart by their weight's N and K. Printed and written: per GEMM of
 a layer the medians over the layers of when its CTAs start (relative to its first wait's return), how long after
 the kernel before it ended the wait returns, the first stage's arrival, the loop, the spread of the loop ends and
-the epilogue; the raw per-kernel spreads in the JSON. The attention kernel (Triton) is not stamped: it sits between
-q/k/v's end and o_proj's wait.
+the epilogue; the raw per-kernel spreads in the JSON. Only decode_ws calls are stamped: the attention kernel
+(Triton) sits between q/k/v's end and o_proj's wait, and where the dispatch takes another kernel for a GEMM (at
+larger batches) "the kernel before" is the previous stamped one.
 """
 
 import argparse
