@@ -125,13 +125,22 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
     return kernel
 
 
+def _device_kernel(fmt: str, m: int, n: int, k: int, options: dict, dtype, device, tma_ready: bool) -> str:
+    """choose_kernel with the device's compute capability, SM count and launch mode."""
+    return choose_kernel(fmt, m, options, dtype, compute_capability(device), n, tma_ready, k,
+                         paths.sm_count(paths.device_index(device)), paths.programmatic_launch(device))
+
+
+def _kernel_fusions(kernel: str, m: int) -> frozenset:
+    return decode_ws.fusions(m) if kernel == "decode_ws" else frozenset()
+
+
 def fusions(fmt: str, m: int, n: int, k: int, device, options: dict = None) -> frozenset:
     """Which of rmsnorm.FUSIONS the kernel for bf16 x [m, k] (contiguous) and an [n, k] weight applies itself."""
-    device = torch.device(device)
     tma_ready = (k * 2) % 16 == 0 and wgmma_ws.have_cuda_python()
-    kernel = choose_kernel(get_format(fmt).name, m, options or {}, torch.bfloat16, compute_capability(device), n,
-                           tma_ready, k, paths.sm_count(paths.device_index(device)), paths.programmatic_launch(device))
-    return decode_ws.fusions(m) if kernel == "decode_ws" else frozenset()
+    kernel = _device_kernel(get_format(fmt).name, m, n, k, options or {}, torch.bfloat16, torch.device(device),
+                            tma_ready)
+    return _kernel_fusions(kernel, m)
 
 
 def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
@@ -150,14 +159,11 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
         return x2d.new_empty(0, gated.output_features(n, epilogue))
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    kernel = choose_kernel(fmt, m, options, x2d.dtype, compute_capability(x2d.device), n,
-                           wgmma_ws.supports(x2d), k, paths.sm_count(paths.device_index(x2d.device)),
-                           paths.programmatic_launch(x2d.device))
+    kernel = _device_kernel(fmt, m, n, k, options, x2d.dtype, x2d.device, wgmma_ws.supports(x2d))
     run = {"decode_ws": decode_ws.decode_ws_gemm, "decode": paths.decode_gemm, "wgmma": paths.wgmma_gemm,
            "wgmma_ws": wgmma_ws.wgmma_ws_gemm, "dequant": paths.dequant_gemm, "fp8": paths.fp8_gemm}[kernel]
     norm, residual = options.get("rms_norm"), options.get("residual")
-    takes = decode_ws.fusions(m) if kernel == "decode_ws" else frozenset()
-    if norm is not None and "rms_norm" not in takes:
+    if norm is not None and "rms_norm" not in _kernel_fusions(kernel, m):
         x2d, norm = rmsnorm.rms_norm(x2d, *norm), None
     if kernel == "decode_ws":
         if residual is not None:
