@@ -1,22 +1,36 @@
-"""What bounds the M = 1 decode kernel's stream: two probes on the H200.
+"""What bounds the M = 1 decode kernels' stream: probes on the H200.
 
     PYTHONPATH=. python3 bench/stream_probe.py --out bench/results/stream_probe_h200.json
+    PYTHONPATH=. python3 bench/stream_probe.py --probe ring --out bench/results/stream_ring_h200.json
 
-1. Read-only kernels over the bytes of an NVFP4 weight's words (no scales, no decode, no MMA) in
+1. (--probe read, the default) Read-only kernels over the bytes of an NVFP4 weight's words (no scales, no decode, no MMA) in
    the decode kernel's access pattern: a program of 4 warps over 4 row groups (64 rows) and one K
    split; each warp streams its row group's [K/64, 512 B] run, U K steps per load (layout "rows",
    layout.py's order), against the same bytes reordered so that a program's 4 row groups x U K
    steps are contiguous ("program"). NB tiles per loop trip are loaded before they are used.
 2. The decode kernel itself (decode_config's tile) at N for which its grid fills 85% to 100% of one
    wave of resident programs, K = 8192: time per byte against wave fill.
+3. (--probe ring) Read-only TMA rings as decode_ws runs them (one CTA per SM, a producer warp issuing
+   1-D bulk copies into a ring of 2-4 stages (128 KB), a consumer warp releasing each stage as it lands, nothing
+   decoded), over the bytes of an NVFP4 weight (words and scales) in three orders: "split", words and
+   scales in two arrays, each CTA's row groups as separate runs (layout.py's order, decode_ws's boxes);
+   "interleaved", a row group's words and scales of a K step side by side; "contiguous", each CTA's
+   stages one run of bytes. Beside them, in the same process, the dispatch's kernel at M = 1 and cuBLAS
+   bf16 on the same weight shape.
+4. (--probe ws-bounds) decode_ws three ways on one weight: as it is ("full"), with the consumers skipping
+   the decode and the MMAs ("stream"), and with the producer loading only the first STAGES stages and then
+   merely arriving on the full barriers ("consume": the consumers re-read the ring, no HBM traffic after
+   it is filled). The kernel source is patched as text for the two probes; their outputs are garbage.
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
 
 import argparse
 import json
 import os
+import struct
 import sys
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -80,21 +94,198 @@ def wave_fill(m, n, k=8192):
             "wave_fill": tiles * split / (resident * sms)}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    recs = []
+RING_SOURCE = r"""
+namespace ms90 {
+// CTA c streams n_stages stages; stage i is `segs` bulk copies of seg_bytes from
+// base(c) + j * seg_stride + i * stage_step, base(c) = (c / split) * tile_stride + (c % split) * part_stride,
+// then segs2 copies of seg_bytes2 from src2 the same way (scales; segs2 = 0 for none).
+struct Stream { const char* src; long tile_stride, part_stride, seg_stride, stage_step; int seg_bytes, segs; };
+
+__device__ __forceinline__ void bulk_copy(u32 dst, const char* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+template <int STAGES>
+__global__ void __launch_bounds__(64) ring_read(Stream a, Stream b, int split, int n_stages, int stage_bytes) {
+  extern __shared__ unsigned char smem_raw[];
+  const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
+  const u32 full = smem + STAGES * stage_bytes, empty = full + 8 * STAGES;
+  init_ring_barriers(full, empty, STAGES, 1);
+  const int c = blockIdx.x;
+  const char* base_a = a.src + (c / split) * a.tile_stride + (c % split) * a.part_stride;
+  const char* base_b = b.src + (c / split) * b.tile_stride + (c % split) * b.part_stride;
+  const u32 tx = a.segs * a.seg_bytes + b.segs * b.seg_bytes;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < n_stages; ++i) {
+      const int stage = i % STAGES;
+      if (i >= STAGES) mbar_wait(empty + 8 * stage, ((i / STAGES) & 1) ^ 1);
+      const u32 f = full + 8 * stage, dst = smem + stage * stage_bytes;
+      mbar_arrive_expect_tx(f, tx);
+      for (int j = 0; j < a.segs; ++j)
+        bulk_copy(dst + j * a.seg_bytes, base_a + j * a.seg_stride + i * a.stage_step, a.seg_bytes, f);
+      for (int j = 0; j < b.segs; ++j)
+        bulk_copy(dst + a.segs * a.seg_bytes + j * b.seg_bytes, base_b + j * b.seg_stride + i * b.stage_step,
+                  b.seg_bytes, f);
+    }
+  } else if (threadIdx.x == 32) {
+    for (int i = 0; i < n_stages; ++i) {
+      mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
+      mbar_arrive(empty + 8 * (i % STAGES));
+    }
+  }
+}
+}  // namespace ms90
+"""
+RING_IN_FLIGHT = 128 * 1024  # as decode_ws.IN_FLIGHT_BYTES
+
+
+def _stream(src, tile_stride=0, part_stride=0, seg_stride=0, stage_step=0, seg_bytes=0, segs=0):
+    return struct.pack("<Qqqqqii", src, tile_stride, part_stride, seg_stride, stage_step, seg_bytes, segs)
+
+
+def ring_read(n, k, groups, split, steps, order):
+    """The read-only ring over an NVFP4 weight's bytes in `order` (module docstring, probe 3): us per call."""
+    from microscale.kernels import nvrtc
+    from microscale.kernels.sm90 import wgmma_ws
+    rgs, kt = n // 16, k // 64
+    tiles = -(-rgs // groups)
+    kt_part = kt // split
+    n_stages = kt_part // steps
+    wb, sb = 512, 64  # words and scales of one row group and K step
+    total = rgs * kt * (wb + sb)
+    copies = gemm._copies(lambda: torch.randint(0, 255, (tiles * groups * kt * (wb + sb),), dtype=torch.uint8,
+                                                device="cuda"), total)
+    stage_bytes = -(-groups * steps * (wb + sb) // 1024) * 1024
+    stages = max(2, min(4, RING_IN_FLIGHT // stage_bytes))
+    name = f"ms90::ring_read<{stages}>"
+    kernel = nvrtc.load_kernel(nvrtc.compile_kernels((name,), source=wgmma_ws.source() + RING_SOURCE,
+                                                     label="ring_read", arch="sm_90a"), name, 0)
+
+    def streams(buf):
+        p = buf.data_ptr()
+        if order == "split":
+            words = _stream(p, groups * kt * wb, kt_part * wb, kt * wb, steps * wb, steps * wb, groups)
+            q = p + tiles * groups * kt * wb
+            return words, _stream(q, groups * kt * sb, kt_part * sb, kt * sb, steps * sb, steps * sb, groups)
+        if order == "interleaved":
+            u = wb + sb
+            return _stream(p, groups * kt * u, kt_part * u, kt * u, steps * u, steps * u, groups), _stream(0)
+        seg = groups * steps * (wb + sb)
+        return _stream(p, groups * kt * (wb + sb), groups * kt_part * (wb + sb), 0, seg, seg, 1), _stream(0)
+
+    smem = max(stages * stage_bytes + 1024 + 16 * stages, 116 * 1024)
+
+    def call(buf):
+        a, b = streams(buf)
+        nvrtc.launch(kernel, clusters=tiles * split, cluster=1, block=64, smem_bytes=smem, device_index=0,
+                     stream_handle=torch.cuda.current_stream().cuda_stream,
+                     args=(a, b, np.int32(split), np.int32(n_stages), np.int32(stage_bytes)))
+    us = gemm._time_graph(call, copies)
+    return {"op": "ring read", "N": n, "K": k, "groups": groups, "split": split, "steps": steps, "stages": stages,
+            "order": order, "ctas": tiles * split, "us": us, "tbps": total / us / 1e6}
+
+
+def peers(n, k):
+    """The dispatch's kernel (NVFP4, M = 1) and cuBLAS bf16 on the same shape, as bench/gemm.py times them."""
+    import torch.nn.functional as F
+    from microscale.kernels import sm90
+    w, q = gemm._weights(n, k, "nvfp4", 0)
+    prep = sm90.prepare(q)
+    nbytes = sum(t.numel() * t.element_size() for t in prep)
+    preps = gemm._copies(lambda: tuple(t.clone() for t in prep), nbytes)
+    ws = gemm._copies(lambda: w.clone(), w.numel() * 2)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ours = gemm._time_graph(lambda p: sm90.gemm(x, *p, None, fmt="nvfp4", n=n, k=k, options={}), preps)
+    bf16 = gemm._time_graph(lambda wb: F.linear(x, wb), ws)
+    return {"op": "peers", "N": n, "K": k, "nvfp4_us": ours, "nvfp4_tbps": nbytes / ours / 1e6, "bf16_us": bf16,
+            "bf16_tbps": w.numel() * 2 / bf16 / 1e6}
+
+
+def _ws_sources():
+    """decode_ws.source() as is and patched for the two probes (module docstring, probe 4)."""
+    from microscale.kernels.sm90 import decode_ws
+    src = decode_ws.source()
+    step = "        ring_step<FMT, BM>("
+    weights = "        const u32 f = full + 8 * stage, base = smem + stage * L::STAGE;\n"
+    x = "      auto load_x = [&](int i) {\n        const int stage = i % STAGES, kt = kt0 + i * STEPS;\n"
+    for text in (step, weights, x):
+        if src.count(text) != 1:
+            raise RuntimeError(f"decode_ws.cuh changed: the probe's patch point {text!r} is not there once")
+    return {"full": src,
+            "stream": "__device__ int ms_never = 0;\n" + src.replace(step, "        if (ms_never) ring_step<FMT, BM>("),
+            "consume": src.replace(weights, weights + "        if (i >= STAGES) { mbar_arrive(f); return; }\n")
+                          .replace(x, x + "        if (i >= STAGES) return;\n")}
+
+
+def ws_bounds(fmt, m, n, k, rounds=2):
+    from microscale.kernels import sm90
+    from microscale.kernels.sm90 import decode_ws
+    from microscale.kernels.sm90.decode import FMT_CODE
+    code = FMT_CODE[fmt]
+    _, q = gemm._weights(n, k, fmt, 0)
+    prep = sm90.prepare(q)
+    nbytes = sum(t.numel() * t.element_size() for t in prep)
+    copies = gemm._copies(lambda: tuple(t.clone() for t in prep), nbytes)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cfg = decode_ws.ring_config(m, n, k, code)
+    rec = {"op": "ws bounds", "format": fmt, "M": m, "N": n, "K": k, "groups": cfg.groups, "split": cfg.split,
+           "k_warps": cfg.k_warps, "steps": cfg.steps, "stages": cfg.stages}
+    sources, original = _ws_sources(), decode_ws.source
+    try:
+        for _ in range(rounds):
+            for mode, src in sources.items():
+                decode_ws.source = lambda src=src: src
+                decode_ws._compiled.cache_clear()
+                decode_ws._kernel.cache_clear()
+                rec.setdefault(mode, []).append(
+                    gemm._time_graph(lambda p: decode_ws.decode_ws_gemm(x, *p, None, code, n, k, cfg=cfg), copies))
+    finally:
+        decode_ws.source = original
+        decode_ws._compiled.cache_clear()
+        decode_ws._kernel.cache_clear()
+    return rec
+
+
+def read_probes():
     for n, k in ((28672, 8192), (8192, 28672), (8192, 8192)):
         for split in (2, 4, 8):
             for nb, u in ((1, 2), (2, 2), (4, 2), (1, 8)):
                 for program_order in (False, True):
-                    recs.append(read_pattern(n, k, split, program_order, nb, u))
-                    print(json.dumps(recs[-1]), flush=True)
+                    yield read_pattern(n, k, split, program_order, nb, u)
     for m in (1, 16):
         for n in (28672, 30720, 33792, 8192, 8448, 9216):
-            recs.append(wave_fill(m, n))
-            print(json.dumps(recs[-1]), flush=True)
+            yield wave_fill(m, n)
+
+
+def ring_probes():
+    for n, k, groups, split in ((28672, 8192, 14, 1), (8192, 28672, 8, 2), (8192, 8192, 8, 2)):
+        yield peers(n, k)
+        for rnd in range(2):
+            for steps in (4, 8):
+                for order in ("split", "interleaved", "contiguous"):
+                    yield dict(ring_read(n, k, groups, split, steps, order), round=rnd)
+
+
+def ws_bounds_probes():
+    for fmt, m, n, k in (("nvfp4", 1, 28672, 8192), ("nvfp4", 1, 8192, 28672), ("nvfp4", 1, 8192, 8192),
+                         ("mxfp8", 1, 8192, 8192), ("nvfp4", 16, 28672, 8192), ("nvfp4", 1, 28672, 4096),
+                         ("nvfp4", 1, 4096, 14336)):
+        yield ws_bounds(fmt, m, n, k)
+
+
+PROBES = {"read": read_probes, "ring": ring_probes, "ws-bounds": ws_bounds_probes}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--probe", choices=tuple(PROBES), default="read")
+    args = p.parse_args()
+    recs = []
+    for rec in PROBES[args.probe]():
+        recs.append(rec)
+        print(json.dumps(rec), flush=True)
     with open(args.out, "w") as f:
         json.dump({"env": gemm._env(), "records": recs}, f, indent=1)
 
