@@ -47,7 +47,7 @@ def probe(fmt, n, k, ms):
     code = FMT_CODE[fmt]
     np_, kp = padded_shape(n, k)
     nbytes = sum(t.numel() * t.element_size() for t in prep)
-    preps = _copies(lambda: tuple(t.clone() for t in prep), nbytes)
+    preps = _copies(lambda: sm90.clone_prepared(*prep), nbytes)
     recs = []
     full = torch.empty(np_, kp, dtype=torch.bfloat16, device="cuda")
     first, best = None, None

@@ -40,7 +40,7 @@ def measure():
         w, q = gemm._weights(n, k, "nvfp4", 0)
         prep = sm90.prepare(q)
         nbytes = sum(t.numel() * t.element_size() for t in prep)
-        preps = gemm._copies(lambda: tuple(t.clone() for t in prep), nbytes)
+        preps = gemm._copies(lambda: sm90.clone_prepared(*prep), nbytes)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         for split in [0, 1, 2, 4, 8] if k == 8192 else [0]:
             cfg = dataclasses.replace(launch.decode_config(1, n, k, 0), split=split)

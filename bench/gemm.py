@@ -93,7 +93,7 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
     w, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
     nbytes_q = sum(t.numel() * t.element_size() for t in prep)
-    preps = _copies(lambda: tuple(t.clone() for t in prep), nbytes_q)
+    preps = _copies(lambda: sm90.clone_prepared(*prep), nbytes_q)
     if peers:
         ws = _copies(lambda: w.clone(), w.numel() * 2)
         w8 = (w.float() / (w.float().abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn)
@@ -195,7 +195,7 @@ def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
                          "dequant": (paths.DequantConfig, lambda *a: paths.dequant_gemm(*a[:-1], cfg=a[-1]))}[kernel]
     _, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
-    preps = _copies(lambda: tuple(t.clone() for t in prep), sum(t.numel() * t.element_size() for t in prep))
+    preps = _copies(lambda: sm90.clone_prepared(*prep), sum(t.numel() * t.element_size() for t in prep))
     recs = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -80,7 +80,7 @@ def wave_fill(m, n, k=8192):
     _, q = gemm._weights(n, k, "nvfp4", 0)
     prep = sm90.prepare(q)
     nbytes = sum(t.numel() * t.element_size() for t in prep)
-    copies = gemm._copies(lambda: tuple(t.clone() for t in prep), nbytes)
+    copies = gemm._copies(lambda: sm90.clone_prepared(*prep), nbytes)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     us = gemm._time_graph(lambda p: launch.decode_gemm(x, *p, None, 0, n, k), copies)
     # the grid decode_gemm launched: its split rule, with the residency it cached for this tile
@@ -193,7 +193,7 @@ def peers(n, k):
     w, q = gemm._weights(n, k, "nvfp4", 0)
     prep = sm90.prepare(q)
     nbytes = sum(t.numel() * t.element_size() for t in prep)
-    preps = gemm._copies(lambda: tuple(t.clone() for t in prep), nbytes)
+    preps = gemm._copies(lambda: sm90.clone_prepared(*prep), nbytes)
     ws = gemm._copies(lambda: w.clone(), w.numel() * 2)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     ours = gemm._time_graph(lambda p: sm90.gemm(x, *p, None, fmt="nvfp4", n=n, k=k, options={}), preps)
@@ -226,7 +226,7 @@ def ws_bounds(fmt, m, n, k, rounds=2):
     _, q = gemm._weights(n, k, fmt, 0)
     prep = sm90.prepare(q)
     nbytes = sum(t.numel() * t.element_size() for t in prep)
-    copies = gemm._copies(lambda: tuple(t.clone() for t in prep), nbytes)
+    copies = gemm._copies(lambda: sm90.clone_prepared(*prep), nbytes)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     cfg = decode_ws.ring_config(m, n, k, code)
     rec = {"op": "ws bounds", "format": fmt, "M": m, "N": n, "K": k, "groups": cfg.groups, "split": cfg.split,

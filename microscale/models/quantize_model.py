@@ -105,13 +105,17 @@ def _mib(n: int) -> str:
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of all parameters and buffers, each storage counted once (tied weights, aliases)."""
+    """Bytes of all parameters and buffers, each storage counted once and whole (tied weights, aliases, views
+    such as the sm90 backend's prepared data and scale, two halves of one buffer)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        key = (t.device, t.untyped_storage().data_ptr()) if not t.is_meta else id(t)
+        if t.is_meta:
+            total += t.numel() * t.element_size()
+            continue
+        key = (t.device, t.untyped_storage().data_ptr())
         if key not in seen:
             seen.add(key)
-            total += t.numel() * t.element_size()
+            total += t.untyped_storage().nbytes()
     return total
 
 

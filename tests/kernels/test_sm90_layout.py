@@ -139,6 +139,49 @@ def test_prepared_layout_decodes_to_reference(fmt, shape, kind, seed):
     torch.testing.assert_close(got, want, rtol=2.0**-22, atol=0.0)
 
 
+@pytest.mark.parametrize("fmt,step", [("nvfp4", 512 + 64), ("mxfp4", 512 + 32), ("mxfp8", 1024 + 32)])
+def test_words_and_scales_of_a_k_step_sit_side_by_side(fmt, step, seed):
+    """data and scale are the halves of one buffer: row group rg's K step kt is bytes (rg KT + kt) STEP of it,
+    its words first, then its scales, so a row group's K steps are one run of bytes."""
+    from microscale.kernels.sm90.layout import check_prepared
+
+    g = torch.Generator().manual_seed(seed)
+    n, k = 48, 320  # padded to 128 x 384: 8 row groups, 6 K steps
+    data, scale, _ = shuffle_weights(quantize(torch.randn(n, k, generator=g), fmt))
+    check_prepared(data, scale, fmt, "test")
+    words = data.shape[2]
+    buffer = torch.empty(0, dtype=torch.uint8).set_(data.untyped_storage())
+    assert buffer.numel() == 8 * 6 * step and data.storage_offset() == 0
+    for rg in range(8):
+        for kt in range(6):
+            at = (rg * 6 + kt) * step
+            assert torch.equal(buffer[at:at + words], data[rg, kt])
+            assert torch.equal(buffer[at + words:at + step], scale[rg, kt])
+
+
+def test_clone_prepared_is_the_same_views_of_new_memory():
+    from microscale.kernels.sm90.layout import check_prepared, clone_prepared
+
+    data, scale, row_mult = shuffle_weights(quantize(torch.randn(40, 200), "mxfp4"))
+    d2, s2, r2 = clone_prepared(data, scale, row_mult)
+    check_prepared(d2, s2, "mxfp4", "test")
+    assert torch.equal(d2, data) and torch.equal(s2, scale) and torch.equal(r2, row_mult)
+    assert d2.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+
+
+def test_gemm_refuses_weights_not_in_the_prepared_layout():
+    from microscale.kernels import sm90
+
+    data, scale, row_mult = shuffle_weights(quantize(torch.randn(32, 128), "nvfp4"))
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"sm90 gemm: prepared weights must be the data and scale views"):
+        sm90.gemm(x, data.contiguous(), scale.contiguous(), row_mult, None, fmt="nvfp4", n=32, k=128, options={})
+    with pytest.raises(ValueError, match=r"sm90 gemm: prepared weights must be"):  # another format's step
+        sm90.gemm(x, data, scale, row_mult, None, fmt="mxfp4", n=32, k=128, options={})
+    with pytest.raises(ValueError, match=r"do not match weight \[192, 128\]"):
+        sm90.gemm(x, data, scale, row_mult, None, fmt="nvfp4", n=64 * 3, k=128, options={})
+
+
 def test_nvfp4_negative_and_zero_block_scales_stay_exact(seed):
     w = torch.randn(32, 64)
     q = quantize(w, "nvfp4")

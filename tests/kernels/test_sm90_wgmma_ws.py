@@ -138,7 +138,8 @@ def test_config_over_the_shared_memory_limit_is_refused():
 def _gather_box(base: torch.Tensor, spec, origin) -> np.ndarray:
     """The bytes TMA copies for a box at `origin` (uint8 elements, dimension 0 fastest), zeros out of
     bounds; addresses relative to `base`, the tensor the spec was made from."""
-    flat = base.contiguous().view(torch.uint8).reshape(-1).numpy()
+    flat = torch.empty(0, dtype=torch.uint8).set_(base.untyped_storage()).numpy()[
+        base.storage_offset() * base.element_size():]  # the bytes from base's first, whatever its strides
     strides = (1,) + tuple(spec.global_strides)
     grids = np.meshgrid(*[np.arange(b) for b in reversed(spec.box_dims)], indexing="ij")
     offset = np.zeros(grids[0].shape, dtype=np.int64)
@@ -161,7 +162,7 @@ def test_weight_boxes_are_the_consumers_bytes(fmt, box_groups, box_steps, seed):
     words, scales = W.weight_map_specs(data, scale, FMT_CODE[fmt], box_groups, box_steps)
     for spec in (words, scales):
         spec.validate()
-    data_bytes, scale_bytes = data.shape[1] // 10, scale.shape[1] // 10
+    data_bytes, scale_bytes = data.shape[2], scale.shape[2]
     assert words.box_bytes == box_groups * box_steps * data_bytes
     assert scales.box_bytes == box_groups * box_steps * scale_bytes
     for n_tile in range(-(-24 // box_groups)):
@@ -169,10 +170,18 @@ def test_weight_boxes_are_the_consumers_bytes(fmt, box_groups, box_steps, seed):
             rows = slice(box_groups * n_tile, box_groups * (n_tile + 1))
             for t, spec, nbytes, origin in ((data, words, data_bytes, (0, 0, kt, box_groups * n_tile)),
                                             (scale, scales, scale_bytes, (0, kt, box_groups * n_tile))):
-                want = torch.zeros(box_groups, box_steps * nbytes, dtype=torch.uint8)
-                part = t[rows, kt * nbytes:(kt + box_steps) * nbytes]
+                want = torch.zeros(box_groups, box_steps, nbytes, dtype=torch.uint8)
+                part = t[rows, kt:kt + box_steps]
                 want[:part.shape[0]] = part
                 np.testing.assert_array_equal(_gather_box(t, spec, origin), want.reshape(-1).numpy())
+
+
+def test_weight_maps_refuse_arrays_that_are_not_the_prepared_views():
+    """The maps address the words and scales in their shared buffer's strides: contiguous copies (the two
+    arrays of an older layout) would be read as garbage, so they are refused by name."""
+    data, scale, _ = prepare(quantize(torch.randn(32, 128), "nvfp4"))
+    with pytest.raises(ValueError, match=r"sm90 tensor maps: prepared weights must be .* \[N/16, K/64, 576\]"):
+        W.weight_map_specs(data.contiguous(), scale.contiguous(), FMT_CODE["nvfp4"])
 
 
 def test_activation_box_is_one_k_step_of_the_share_with_zeros_past_m_and_k(seed):

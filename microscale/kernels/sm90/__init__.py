@@ -47,7 +47,7 @@ from ..selftest import backend_run_fn, selftest_passed
 from . import launch as paths
 from . import decode_ws, wgmma_ws
 from .decode import FMT_CODE
-from .layout import shuffle_weights, unshuffle_weights
+from .layout import K_STEP, ROW_GROUP, check_prepared, clone_prepared, padded_shape, shuffle_weights, unshuffle_weights
 
 NAME = "sm90"
 DECODE_MAX_M = 32
@@ -157,6 +157,11 @@ def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):
     epilogue = gated.check_epilogue(options.get("epilogue"))
     if m == 0:
         return x2d.new_empty(0, gated.output_features(n, epilogue))
+    check_prepared(data, scale, fmt, "sm90 gemm")
+    np_, kp = padded_shape(n, k)
+    if tuple(data.shape[:2]) != (np_ // ROW_GROUP, kp // K_STEP) or tuple(row_mult.shape) != (np_,):
+        raise ValueError(f"sm90 gemm: prepared weights of {list(data.shape[:2])} row groups x K steps and row_mult "
+                         f"{list(row_mult.shape)} do not match weight [{n}, {k}] (padded [{np_}, {kp}])")
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     kernel = _device_kernel(fmt, m, n, k, options, x2d.dtype, x2d.device, wgmma_ws.supports(x2d))

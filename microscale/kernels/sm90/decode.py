@@ -28,6 +28,9 @@ ROW_GROUP = gl.constexpr(hopper_layout.ROW_GROUP)
 K_STEP = gl.constexpr(hopper_layout.K_STEP)
 
 FMT_CODE = {"nvfp4": 0, "mxfp4": 1, "mxfp8": 2}
+FMT_NAME = {code: name for name, code in FMT_CODE.items()}
+# bytes of one row group and K step in the prepared buffer, words and scales (layout.step_bytes), by format code
+_STEP_BYTES = gl.constexpr(tuple(sum(hopper_layout.step_bytes(FMT_NAME[code])) for code in sorted(FMT_NAME)))
 
 # E2M1 word -> 4 bf16x2 registers (layout.FP4_BITS), each times the block scale s' (exact products; an
 # fma with -0 rather than mul.bf16x2, which needs sm_90, so the kernel also runs on sm_80).
@@ -172,19 +175,19 @@ def _weight_tile_pointers(W, S, pid_n, KT, FMT: gl.constexpr, NW: gl.constexpr, 
     With KP K parts, tile row group rg = r NW + w (rep r of warp w) is row group (r // KP) NW + w of
     the RG // KP the program covers, at K step offset (r % KP) * part_steps."""
     WORDS: gl.constexpr = 8 if FMT == 2 else 4  # int32 words per lane and K step
-    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32  # scale bytes per row group and K step
+    STEP: gl.constexpr = _STEP_BYTES[FMT]  # words and scales of a row group and K step (layout.prepared_views)
     w_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, WORDS], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     s_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     w_rg, w_u, w_lane, w_q = _tile_index(w_layout, RG, U, WORDS)
-    w_off = (_part_row_group(w_rg, NW, KP) * KT + _part_of(w_rg, NW, KP) * part_steps + w_u) * (32 * WORDS) \
+    w_off = (_part_row_group(w_rg, NW, KP) * KT + _part_of(w_rg, NW, KP) * part_steps + w_u) * (STEP // 4) \
         + w_lane * WORDS + w_q
     s_rg, s_u, s_lane, s_rsel = _tile_index(s_layout, RG, U, 2)
     if FMT != 0:
         s_lane = (s_lane >> 2) * 2 + ((s_lane & 3) >> 1)  # lanes 2j, 2j+1 share a block of 32
-    s_off = (_part_row_group(s_rg, NW, KP) * KT + _part_of(s_rg, NW, KP) * part_steps + s_u) * SCALE_BYTES \
+    s_off = (_part_row_group(s_rg, NW, KP) * KT + _part_of(s_rg, NW, KP) * part_steps + s_u) * STEP \
         + s_lane * 2 + s_rsel
-    W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * (RG // KP)).to(gl.int64) * KT * (32 * WORDS)
-    S_base = S + (pid_n * (RG // KP)).to(gl.int64) * KT * SCALE_BYTES
+    W_base = W.to(gl.pointer_type(gl.int32)) + (pid_n * (RG // KP)).to(gl.int64) * KT * (STEP // 4)
+    S_base = S + (pid_n * (RG // KP)).to(gl.int64) * KT * STEP
     return W_base, w_off, S_base, s_off
 
 
@@ -219,10 +222,9 @@ def _sum_parts(acc, NW: gl.constexpr, KP: gl.constexpr):
 def _load_w(W_base, w_off, S_base, s_off, kt, FMT: gl.constexpr):
     """The word and scale tiles of K steps kt .. kt+U-1, marked evict-first: weights are read once, and
     keeping them from pushing the activations and other lines out of L2 measured 3-15% faster."""
-    WORDS: gl.constexpr = 8 if FMT == 2 else 4
-    SCALE_BYTES: gl.constexpr = 64 if FMT == 0 else 32
-    return (gl.load(W_base + w_off + kt * (32 * WORDS), eviction_policy="evict_first"),
-            gl.load(S_base + s_off + kt * SCALE_BYTES, eviction_policy="evict_first"))
+    STEP: gl.constexpr = _STEP_BYTES[FMT]
+    return (gl.load(W_base + w_off + kt * (STEP // 4), eviction_policy="evict_first"),
+            gl.load(S_base + s_off + kt * STEP, eviction_policy="evict_first"))
 
 
 @gluon.jit

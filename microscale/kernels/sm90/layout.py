@@ -40,6 +40,12 @@ the fp32 accumulator:
 Rows are padded to ROW_ALIGN and K to K_ALIGN with zero weights. The canonical QTensor (and the
 checkpoint) keep the format's own layout.
 
+data and scale are the two halves of one buffer [N/16, K/64, STEP] uint8 (step_bytes; prepared_views):
+a row group's words of a K step, then its scales, so that a kernel reading a row group's K steps reads
+one run of bytes. In two arrays, the scales came in runs of 256 bytes (4 K steps) beside the words'
+2 KB, and a read-only TMA ring over an NVFP4 28672x8192 weight took 35-36 us against 31 interleaved
+(bench/stream_probe.py --probe ring, bench/results/stream_ring_h200.json).
+
 unshuffle_weights is the inverse: it gives the canonical QTensor back bit for bit for weights
 written the way our quantizers write them, so a layer can keep only this layout (models/linear.py).
 What prepare does not keep: the NVFP4 global scale (row_mult = 2**8 / g is rounded to float32 and
@@ -100,6 +106,40 @@ ELEMENT_BIAS_SHIFT = {"e2m1": 126, "e4m3": 120}  # decoded register = value * 2*
 MX_TOP_CODE = 254  # the largest block of a row gets s' = 2**127
 # [Np, Kp] viewed as (rg, rsel, g, kt, t, i2, i1, khi, i0) -> a thread's elements in register order
 THREAD_ORDER = (0, 3, 2, 4, 7, 1, 5, 6, 8)
+
+
+def step_bytes(fmt) -> tuple:
+    """(word bytes, scale bytes) of one row group (16 rows) and K step: the unit every sm90 kernel reads."""
+    fmt = get_format(fmt)
+    return (512 if fmt.packed else 1024), K_STEP // fmt.block * 16
+
+
+def prepared_views(packed: torch.Tensor, fmt) -> tuple:
+    """The buffer [N/16, K/64, STEP] -> (data [N/16, K/64, words], scale [N/16, K/64, scales]), views."""
+    words = step_bytes(fmt)[0]
+    return packed[:, :, :words], packed[:, :, words:]
+
+
+def clone_prepared(data: torch.Tensor, scale: torch.Tensor, row_mult: torch.Tensor) -> tuple:
+    """A copy of prepared weights in new memory: the same views of a new buffer (benchmarks rotate copies)."""
+    rows, steps, words = data.shape
+    packed = data.as_strided((rows, steps, words + scale.shape[2]), data.stride()).clone()
+    return packed[:, :, :words], packed[:, :, words:], row_mult.clone()
+
+
+def check_prepared(data: torch.Tensor, scale: torch.Tensor, fmt, who: str) -> None:
+    """Raise unless data and scale are prepared_views of one buffer, as the kernels address them."""
+    words, scales = step_bytes(fmt)
+    rows, steps = data.shape[:2] if data.dim() == 3 else (0, 0)
+    strides = (steps * (words + scales), words + scales, 1)
+    if not (data.dim() == scale.dim() == 3 and data.dtype == scale.dtype == torch.uint8
+            and tuple(data.shape) == (rows, steps, words) and tuple(scale.shape) == (rows, steps, scales)
+            and data.stride() == strides and scale.stride() == strides
+            and scale.data_ptr() == data.data_ptr() + words and data.data_ptr() % 16 == 0):
+        raise ValueError(f"{who}: prepared weights must be the data and scale views of one uint8 buffer "
+                         f"[N/16, K/64, {words + scales}] (layout.prepared_views, as sm90.prepare makes them); got "
+                         f"data {data.dtype} {list(data.shape)} strides {data.stride()}, scale {scale.dtype} "
+                         f"{list(scale.shape)} strides {scale.stride()}")
 
 
 def _ceil_to(x: int, m: int) -> int:
@@ -202,18 +242,18 @@ def _gather_bits(word: torch.Tensor, bits: tuple) -> torch.Tensor:
 
 
 def _shuffle_codes(codes: torch.Tensor, bits: tuple) -> torch.Tensor:
-    """Element codes [Np, Kp] -> data [Np/16, Kp/64 * (512 | 1024)] uint8 (see module docstring)."""
+    """Element codes [Np, Kp] -> data [Np/16, Kp/64, 512 | 1024] uint8 (see module docstring)."""
     per_word = len(bits)  # 8 E2M1 or 4 E4M3 codes
     c = _thread_order(codes).reshape(codes.shape[0] // 16, codes.shape[1] // 64, 32, 32 // per_word, per_word)
-    return _place_bits(c, bits).reshape(codes.shape[0] // 16, -1).contiguous().view(torch.uint8)
+    return _place_bits(c, bits).reshape(codes.shape[0] // 16, codes.shape[1] // 64, -1).view(torch.uint8)
 
 
 def _shuffle_scales(code: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
-    """Scale codes [Np, Kp/block] -> [Np/16, Kp/64 * (64 | 32)] uint8 (see module docstring)."""
+    """Scale codes [Np, Kp/block] -> [Np/16, Kp/64, 64 | 32] uint8 (see module docstring)."""
     np_, cols = code.shape
     per_step = K_STEP // fmt.block  # blocks per K step: 4 (NVFP4) or 2 (MX)
     c = code.view(np_ // 16, 2, 8, cols // per_step, per_step)  # rg, rsel, g, kt, block
-    return c.permute(0, 3, 2, 4, 1).reshape(np_ // 16, -1).contiguous()
+    return c.permute(0, 3, 2, 4, 1).reshape(np_ // 16, cols // per_step, -1)
 
 
 def shuffle_weights(q: QTensor):
@@ -227,8 +267,9 @@ def shuffle_weights(q: QTensor):
         if not q.fmt.packed and bool(((codes & 0x7F) == 0x7F).any()):
             raise ValueError(f"prepare(mxfp8 {list(q.shape)}): weights contain NaN (E4M3 0x7F/0xFF)")
         scale_code, row_mult = _mx_scale_codes(q, codes, np_, kp)
-    data = _shuffle_codes(codes, FP4_BITS if q.fmt.packed else FP8_BITS)
-    return data, _shuffle_scales(scale_code, q.fmt), row_mult
+    packed = torch.cat([_shuffle_codes(codes, FP4_BITS if q.fmt.packed else FP8_BITS),
+                        _shuffle_scales(scale_code, q.fmt)], dim=2)
+    return *prepared_views(packed, q.fmt), row_mult
 
 
 # ---- the inverse --------------------------------------------------------------------------------
@@ -240,7 +281,7 @@ def _from_thread_order(c: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
 
 def _unshuffle_codes(data: torch.Tensor, bits: tuple, np_: int, kp: int) -> torch.Tensor:
     words_per_lane = 32 // len(bits)
-    word = data.view(torch.int32).view(np_ // 16, kp // 64, 32, words_per_lane)
+    word = data.contiguous().view(torch.int32).view(np_ // 16, kp // 64, 32, words_per_lane)
     return _from_thread_order(_gather_bits(word, bits), np_, kp)
 
 
@@ -269,8 +310,8 @@ def unshuffle_weights(data: torch.Tensor, scale: torch.Tensor, row_mult: torch.T
     fmt = get_format(fmt)
     n, k = shape
     np_, kp = padded_shape(n, k)
-    want_data = (np_ // 16, kp // 64 * (512 if fmt.packed else 1024))
-    want_scale = (np_ // 16, kp // fmt.block * 16)
+    words, scales = step_bytes(fmt)
+    want_data, want_scale = (np_ // 16, kp // K_STEP, words), (np_ // 16, kp // K_STEP, scales)
     if tuple(data.shape) != want_data or tuple(scale.shape) != want_scale or tuple(row_mult.shape) != (np_,):
         raise ValueError(f"unshuffle_weights({fmt.name} {list(shape)}): expected data {list(want_data)}, scale "
                          f"{list(want_scale)}, row_mult [{np_}]; got {list(data.shape)}, {list(scale.shape)}, "

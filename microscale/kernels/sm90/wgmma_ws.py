@@ -21,6 +21,7 @@ import torch
 from .. import nvrtc
 from . import decode
 from .launch import device_index, sm_count
+from . import layout
 from .layout import K_STEP, RS_K_BITS, padded_shape
 
 SOURCE_PATH = Path(__file__).with_name("wgmma_ws.cuh")
@@ -31,9 +32,8 @@ SMEM_LIMIT = 227 * 1024
 
 
 def step_bytes(fmt_code: int) -> tuple:
-    """(word bytes, scale bytes) of one row group (16 rows) and K step in the Hopper layout (layout.py):
-    the unit of the kernel's weight boxes and ring stages."""
-    return (1024 if fmt_code == 2 else 512), (64 if fmt_code == 0 else 32)
+    """layout.step_bytes of a format code: the unit of the kernel's weight boxes and ring stages."""
+    return layout.step_bytes(decode.FMT_NAME[fmt_code])
 
 
 @dataclass(frozen=True)
@@ -137,18 +137,20 @@ def x_map_spec(x: torch.Tensor, box_rows: int) -> nvrtc.TensorMapSpec:
 
 def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int, box_groups: int = 8,
                      box_steps: int = 1) -> tuple:
-    """The words [N/16, K/64 x DATA bytes] as (256 bytes, DATA / 256, K steps, row groups) and the scales
-    [N/16, K/64 x SCALE bytes] as (SCALE bytes, K steps, row groups), boxes of box_steps K steps of box_groups
-    row groups (here one step of a CTA's 128 rows; decode_ws: a ring stage): one copy each, landing in the
-    order the consumers read (row group by row group, each one's steps in K order)."""
+    """The words [N/16, K/64, DATA bytes] as (256 bytes, DATA / 256, K steps, row groups) and the scales
+    [N/16, K/64, SCALE bytes] as (SCALE bytes, K steps, row groups), both in their buffer's strides
+    (layout.prepared_views), boxes of box_steps K steps of box_groups row groups (here one step of a CTA's 128
+    rows; decode_ws: a ring stage): one copy each, landing in the order the consumers read (row group by row
+    group, each one's steps in K order)."""
+    layout.check_prepared(data, scale, decode.FMT_NAME[fmt_code], "sm90 tensor maps")
     data_bytes, scale_bytes = step_bytes(fmt_code)
-    groups, kt = data.shape[0], data.shape[1] // data_bytes
+    groups, kt, step, group = data.shape[0], data.shape[1], data.stride(1), data.stride(0)
     words = nvrtc.TensorMapSpec(address=data.data_ptr(), global_dims=(256, data_bytes // 256, kt, groups),
-                                global_strides=(256, data_bytes, kt * data_bytes),
+                                global_strides=(256, step, group),
                                 box_dims=(256, data_bytes // 256, box_steps, box_groups), swizzle="none")
     scales = nvrtc.TensorMapSpec(address=scale.data_ptr(), global_dims=(scale_bytes, kt, groups),
-                                 global_strides=(scale_bytes, kt * scale_bytes),
-                                 box_dims=(scale_bytes, box_steps, box_groups), swizzle="none")
+                                 global_strides=(step, group), box_dims=(scale_bytes, box_steps, box_groups),
+                                 swizzle="none")
     return words, scales
 
 
