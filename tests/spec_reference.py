@@ -107,9 +107,12 @@ def blocks(x, block):
 def quantize_mx(x, block, elem, mode):
     """Returns (element codes [N, Kp] uint8, biased exponents [N, Kp/block])."""
     elem_max, emax, mbits = (6.0, 2, 1) if elem == "e2m1" else (448.0, 8, 3)
-    xb = blocks(x, block).astype(np.float64)
-    b = mx_exponent(np.abs(xb).max(-1), elem_max, emax, mbits, mode)
-    y = xb / (2.0 ** (b.astype(np.float64) - 127))[..., None]  # exact power-of-two scaling
+    xb = blocks(x, block)  # float32
+    b = mx_exponent(np.abs(xb).max(-1).astype(np.float64), elem_max, emax, mbits, mode)
+    # A float32 quotient, as torchao and compressed-tensors divide: exact for a power-of-two scale unless it
+    # underflows, and then a negative element's quotient is -0.0, which e2m1_code codes as +0 (as for NVFP4).
+    with np.errstate(under="ignore"):
+        y = xb / np.exp2(b.astype(np.float64) - 127).astype(np.float32)[..., None]
     y = np.clip(y, -elem_max, elem_max)
     codes = e2m1_code(y) if elem == "e2m1" else e4m3_code(y)
     return codes.reshape(x.shape[0], -1), b

@@ -52,6 +52,17 @@ def test_mx_quantize_bit_exact(fmt, mode, kind, shape, seed):
     assert np.array_equal(_codes(q), codes)
 
 
+def test_mxfp4_sign_of_elements_that_round_to_zero():
+    """Hand-computed: amax 6 * 2**122 gives the block 2**122 (e8m0 249). -2**120 quotes -0.25, a tie that rounds to
+    the even -0 and keeps the sign bit (0x8); -2**-30 quotes -2**-152, which underflows float32 to -0.0 and is coded
+    as +0 like -0.0 itself (the float32 quotient's sign, as for NVFP4); 3 * 2**122 is 3.0 (code 5)."""
+    x = torch.zeros(1, 32)
+    x[0, :5] = torch.tensor([6 * 2.0**122, -2.0**120, -2.0**-30, -0.0, 3 * 2.0**122])
+    q = ms.quantize(x, "mxfp4", scale_mode=ScaleMode.RCEIL)
+    assert q.scale.view(torch.uint8)[0, 0].item() == 249
+    assert _codes(q)[0, :5].tolist() == [7, 8, 0, 0, 5]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("recipe", ms.quant.NVFP4_RECIPES)
