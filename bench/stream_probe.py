@@ -21,10 +21,15 @@
    the decode and the MMAs ("stream"), and with the producer loading only the first STAGES stages and then
    merely arriving on the full barriers ("consume": the consumers re-read the ring, no HBM traffic after
    it is filled). The kernel source is patched as text for the two probes; their outputs are garbage.
+5. (--probe ws-waits) decode_ws with clock64 sums around its ring waits (waits_source): per CTA, the share
+   of the producer's time spent waiting for the consumers to free a stage and of the consumers' time spent
+   waiting for a stage to land, medians over the CTAs of one call after warm-ups. Both shares large at once
+   would say the ring, not either side, loses the time.
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import struct
@@ -202,6 +207,13 @@ def peers(n, k):
             "bf16_tbps": w.numel() * 2 / bf16 / 1e6}
 
 
+def _splice(src: str, anchor: str, text: str) -> str:
+    """src with its one occurrence of anchor replaced by text."""
+    if src.count(anchor) != 1:
+        raise RuntimeError(f"decode_ws.cuh changed: the probe's patch point {anchor!r} is not there once")
+    return src.replace(anchor, text)
+
+
 def _ws_sources():
     """decode_ws.source() as is and patched for the two probes (module docstring, probe 4)."""
     from microscale.kernels.sm90 import decode_ws
@@ -209,42 +221,108 @@ def _ws_sources():
     step = "        ring_step<FMT, BM>("
     weights = "        const u32 f = full + 8 * stage, base = smem + stage * L::STAGE;\n"
     x = "      auto load_x = [&](int i) {\n        const int stage = i % STAGES, kt = kt0 + i * STEPS;\n"
-    for text in (step, weights, x):
-        if src.count(text) != 1:
-            raise RuntimeError(f"decode_ws.cuh changed: the probe's patch point {text!r} is not there once")
     return {"full": src,
-            "stream": "__device__ int ms_never = 0;\n" + src.replace(step, "        if (ms_never) ring_step<FMT, BM>("),
-            "consume": src.replace(weights, weights + "        if (i >= STAGES) { mbar_arrive(f); return; }\n")
-                          .replace(x, x + "        if (i >= STAGES) return;\n")}
+            "stream": "__device__ int ms_never = 0;\n" + _splice(src, step, "        if (ms_never) ring_step<FMT, BM>("),
+            "consume": _splice(_splice(src, weights, weights + "        if (i >= STAGES) { mbar_arrive(f); return; }\n"),
+                               x, x + "        if (i >= STAGES) return;\n")}
 
 
-def ws_bounds(fmt, m, n, k, rounds=2):
+WAIT_FIELDS = ("producer_wait", "producer_span", "consumer_wait", "consumer_span", "consumer_warps")
+
+
+def waits_source(buffer_address: int) -> str:
+    """decode_ws's source with clock64 sums of its ring waits (module docstring, probe 5): per CTA, in int64
+    [CTAs, 8] at buffer_address, WAIT_FIELDS: the producer's cycles waiting for an empty stage and its span from
+    the barriers' init to the end of its loop, the consumer warps' cycles waiting for a full stage and their spans
+    (sums over the warps, lane 0 of each), and the number of consumer warps."""
+    from microscale.kernels.sm90 import decode_ws, wgmma_ws
+    src = decode_ws.SOURCE_PATH.read_text()
+    timed = lambda line: "{ const long long ms_a = clock64();\n" + line + "ms_wait += clock64() - ms_a; }\n"  # noqa: E731
+    init = "  init_ring_barriers(full, empty, STAGES, CONSUMERS);\n"
+    src = _splice(src, init, init + "  const long long ms_t0 = clock64();\n  long long ms_wait = 0;\n")
+    for line in ("        mbar_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);\n",
+                 "      mbar_wait((NORM ? ready : full) + 8 * stage, phase);\n"):
+        src = _splice(src, line, timed(line))
+    release = "  release_dependents();  // what is left"
+    record = f"""  if (lane == 0 && warp <= CONSUMERS) {{
+    unsigned long long* ms_slot = (unsigned long long*){buffer_address}ull + 8ull * blockIdx.x;
+    const unsigned long long ms_span = clock64() - ms_t0;
+    if (warp == CONSUMERS) {{
+      ms_slot[0] = ms_wait;
+      ms_slot[1] = ms_span;
+    }} else {{
+      atomicAdd(ms_slot + 2, (unsigned long long)ms_wait);
+      atomicAdd(ms_slot + 3, ms_span);
+      atomicAdd(ms_slot + 4, 1ull);
+    }}
+  }}
+"""
+    return wgmma_ws.source() + "\n" + _splice(src, release, record + release)
+
+
+@contextlib.contextmanager
+def _decode_ws_source(src: str):
+    """decode_ws builds its kernels from src inside the block (the caches cleared on the way in and out)."""
+    from microscale.kernels.sm90 import decode_ws
+    original = decode_ws.source
+    decode_ws.source = lambda: src
+    decode_ws._compiled.cache_clear()
+    decode_ws._kernel.cache_clear()
+    try:
+        yield
+    finally:
+        decode_ws.source = original
+        decode_ws._compiled.cache_clear()
+        decode_ws._kernel.cache_clear()
+
+
+def _ws_case(fmt, m, n, k):
+    """(call, copies of the prepared weight, ring_config, record head) for decode_ws on a fresh weight."""
     from microscale.kernels import sm90
     from microscale.kernels.sm90 import decode_ws
     from microscale.kernels.sm90.decode import FMT_CODE
     code = FMT_CODE[fmt]
     _, q = gemm._weights(n, k, fmt, 0)
     prep = sm90.prepare(q)
-    nbytes = sum(t.numel() * t.element_size() for t in prep)
-    copies = gemm._copies(lambda: sm90.clone_prepared(*prep), nbytes)
+    copies = gemm._copies(lambda: sm90.clone_prepared(*prep), sum(t.numel() * t.element_size() for t in prep))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     cfg = decode_ws.ring_config(m, n, k, code)
-    rec = {"op": "ws bounds", "format": fmt, "M": m, "N": n, "K": k, "groups": cfg.groups, "split": cfg.split,
-           "k_warps": cfg.k_warps, "steps": cfg.steps, "stages": cfg.stages}
-    sources, original = _ws_sources(), decode_ws.source
-    try:
-        for _ in range(rounds):
-            for mode, src in sources.items():
-                decode_ws.source = lambda src=src: src
-                decode_ws._compiled.cache_clear()
-                decode_ws._kernel.cache_clear()
-                rec.setdefault(mode, []).append(
-                    gemm._time_graph(lambda p: decode_ws.decode_ws_gemm(x, *p, None, code, n, k, cfg=cfg), copies))
-    finally:
-        decode_ws.source = original
-        decode_ws._compiled.cache_clear()
-        decode_ws._kernel.cache_clear()
+    head = {"format": fmt, "M": m, "N": n, "K": k, "groups": cfg.groups, "split": cfg.split, "k_warps": cfg.k_warps,
+            "steps": cfg.steps, "stages": cfg.stages}
+    return (lambda p: decode_ws.decode_ws_gemm(x, *p, None, code, n, k, cfg=cfg)), copies, cfg, head
+
+
+def ws_bounds(fmt, m, n, k, rounds=2):
+    call, copies, _, head = _ws_case(fmt, m, n, k)
+    rec = {"op": "ws bounds", **head}
+    sources = _ws_sources()
+    for _ in range(rounds):
+        for mode, src in sources.items():
+            with _decode_ws_source(src):
+                rec.setdefault(mode, []).append(gemm._time_graph(call, copies))
     return rec
+
+
+def ws_waits(fmt, m, n, k):
+    """Probe 5: the medians over CTAs of the fractions of their spans that the producer waits for an empty stage
+    (consumers behind) and the consumer warps wait for a full one (the stream behind), one call after warm-ups."""
+    from microscale.kernels.sm90.layout import ROW_GROUP, padded_shape
+    call, copies, cfg, head = _ws_case(fmt, m, n, k)
+    ctas = -(-padded_shape(n, k)[0] // (ROW_GROUP * cfg.groups)) * cfg.split
+    slots = torch.zeros(ctas, 8, dtype=torch.int64, device="cuda")
+    with _decode_ws_source(waits_source(slots.data_ptr())):
+        for p in copies:
+            call(p)
+        slots.zero_()
+        call(copies[0])
+        torch.cuda.synchronize()
+    r = slots.cpu().double()
+    waits = dict(zip(WAIT_FIELDS, r.T[:len(WAIT_FIELDS)]))
+    return {"op": "ws waits", **head, "ctas": ctas,
+            "producer_waits_empty": (waits["producer_wait"] / waits["producer_span"]).median().item(),
+            "consumers_wait_full": (waits["consumer_wait"] / waits["consumer_span"]).median().item(),
+            "consumer_warps": waits["consumer_warps"].median().item(),
+            "span_cycles_median": waits["producer_span"].median().item()}
 
 
 def read_probes():
@@ -267,6 +345,13 @@ def ring_probes():
                     yield dict(ring_read(n, k, groups, split, steps, order), round=rnd)
 
 
+def ws_waits_probes():
+    for fmt, m, n, k in (("nvfp4", 1, 28672, 8192), ("nvfp4", 1, 8192, 28672), ("nvfp4", 1, 8192, 8192),
+                         ("mxfp4", 1, 28672, 8192), ("nvfp4", 16, 28672, 8192), ("nvfp4", 1, 28672, 4096),
+                         ("nvfp4", 1, 4096, 14336), ("nvfp4", 1, 6144, 4096)):
+        yield ws_waits(fmt, m, n, k)
+
+
 def ws_bounds_probes():
     for fmt, m, n, k in (("nvfp4", 1, 28672, 8192), ("nvfp4", 1, 8192, 28672), ("nvfp4", 1, 8192, 8192),
                          ("mxfp8", 1, 8192, 8192), ("nvfp4", 16, 28672, 8192), ("nvfp4", 1, 28672, 4096),
@@ -274,7 +359,7 @@ def ws_bounds_probes():
         yield ws_bounds(fmt, m, n, k)
 
 
-PROBES = {"read": read_probes, "ring": ring_probes, "ws-bounds": ws_bounds_probes}
+PROBES = {"read": read_probes, "ring": ring_probes, "ws-bounds": ws_bounds_probes, "ws-waits": ws_waits_probes}
 
 
 def main():
