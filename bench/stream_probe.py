@@ -81,11 +81,16 @@ def read_pattern(n, k, split, program_order, nb, u):
             "nb": nb, "u": u, "us": us, "tbps": words * 4 / us / 1e6}
 
 
-def wave_fill(m, n, k=8192):
-    _, q = gemm._weights(n, k, "nvfp4", 0)
+def _prepared_copies(fmt, n, k):
+    """A fresh weight: (the bf16 original, copies of its prepared tensors larger than the L2 in all, their bytes)."""
+    w, q = gemm._weights(n, k, fmt, 0)
     prep = sm90.prepare(q)
     nbytes = sum(t.numel() * t.element_size() for t in prep)
-    copies = gemm._copies(lambda: sm90.clone_prepared(*prep), nbytes)
+    return w, gemm._copies(lambda: sm90.clone_prepared(*prep), nbytes), nbytes
+
+
+def wave_fill(m, n, k=8192):
+    _, copies, nbytes = _prepared_copies("nvfp4", n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     us = gemm._time_graph(lambda p: launch.decode_gemm(x, *p, None, 0, n, k), copies)
     # the grid decode_gemm launched: its split rule, with the residency it cached for this tile
@@ -194,11 +199,7 @@ def ring_read(n, k, groups, split, steps, order):
 def peers(n, k):
     """The dispatch's kernel (NVFP4, M = 1) and cuBLAS bf16 on the same shape, as bench/gemm.py times them."""
     import torch.nn.functional as F
-    from microscale.kernels import sm90
-    w, q = gemm._weights(n, k, "nvfp4", 0)
-    prep = sm90.prepare(q)
-    nbytes = sum(t.numel() * t.element_size() for t in prep)
-    preps = gemm._copies(lambda: sm90.clone_prepared(*prep), nbytes)
+    w, preps, nbytes = _prepared_copies("nvfp4", n, k)
     ws = gemm._copies(lambda: w.clone(), w.numel() * 2)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     ours = gemm._time_graph(lambda p: sm90.gemm(x, *p, None, fmt="nvfp4", n=n, k=k, options={}), preps)
@@ -278,13 +279,10 @@ def _decode_ws_source(src: str):
 
 def _ws_case(fmt, m, n, k):
     """(call, copies of the prepared weight, ring_config, record head) for decode_ws on a fresh weight."""
-    from microscale.kernels import sm90
     from microscale.kernels.sm90 import decode_ws
     from microscale.kernels.sm90.decode import FMT_CODE
     code = FMT_CODE[fmt]
-    _, q = gemm._weights(n, k, fmt, 0)
-    prep = sm90.prepare(q)
-    copies = gemm._copies(lambda: sm90.clone_prepared(*prep), sum(t.numel() * t.element_size() for t in prep))
+    _, copies, _ = _prepared_copies(fmt, n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     cfg = decode_ws.ring_config(m, n, k, code)
     head = {"format": fmt, "M": m, "N": n, "K": k, "groups": cfg.groups, "split": cfg.split, "k_warps": cfg.k_warps,

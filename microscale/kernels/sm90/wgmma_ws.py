@@ -19,9 +19,8 @@ import numpy as np
 import torch
 
 from .. import nvrtc
-from . import decode
+from . import decode, layout
 from .launch import device_index, sm_count
-from . import layout
 from .layout import K_STEP, RS_K_BITS, padded_shape
 
 SOURCE_PATH = Path(__file__).with_name("wgmma_ws.cuh")
