@@ -228,19 +228,23 @@ def _ws_sources():
                                x, x + "        if (i >= STAGES) return;\n")}
 
 
-WAIT_FIELDS = ("producer_wait", "producer_span", "consumer_wait", "consumer_span", "consumer_warps")
+WAIT_FIELDS = ("producer_wait", "producer_span", "consumer_wait", "consumer_span", "consumer_warps", "consumer_first",
+               "start_ns", "end_ns")
 
 
 def waits_source(buffer_address: int) -> str:
     """decode_ws's source with clock64 sums of its ring waits (module docstring, probe 5): per CTA, in int64
     [CTAs, 8] at buffer_address, WAIT_FIELDS: the producer's cycles waiting for an empty stage and its span from
     the barriers' init to the end of its loop, the consumer warps' cycles waiting for a full stage and their spans
-    (sums over the warps, lane 0 of each), and the number of consumer warps."""
+    (sums over the warps, lane 0 of each), the number of consumer warps, their cycles waiting for the first stage
+    (the ramp, inside consumer_wait), and the producer's %globaltimer at the init and at the end of its loop."""
     from microscale.kernels.sm90 import decode_ws, wgmma_ws
     src = decode_ws.SOURCE_PATH.read_text()
-    timed = lambda line: "{ const long long ms_a = clock64();\n" + line + "ms_wait += clock64() - ms_a; }\n"  # noqa: E731
+    timed = lambda line: ("{ const long long ms_a = clock64();\n" + line + "const long long ms_d = clock64() - ms_a;\n"  # noqa: E731
+                          "ms_wait += ms_d;\nif (i == 0) ms_first = ms_d; }\n")
     init = "  init_ring_barriers(full, empty, STAGES, CONSUMERS);\n"
-    src = _splice(src, init, init + "  const long long ms_t0 = clock64();\n  long long ms_wait = 0;\n")
+    src = _splice(src, init, init + "  const long long ms_t0 = clock64();\n  long long ms_wait = 0, ms_first = 0;\n"
+                  "  unsigned long long ms_g0;\n  asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(ms_g0));\n")
     for line in ("        mbar_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);\n",
                  "      mbar_wait((NORM ? ready : full) + 8 * stage, phase);\n"):
         src = _splice(src, line, timed(line))
@@ -249,12 +253,17 @@ def waits_source(buffer_address: int) -> str:
     unsigned long long* ms_slot = (unsigned long long*){buffer_address}ull + 8ull * blockIdx.x;
     const unsigned long long ms_span = clock64() - ms_t0;
     if (warp == CONSUMERS) {{
+      unsigned long long ms_g1;
+      asm volatile("mov.u64 %0, %globaltimer;" : "=l"(ms_g1));
       ms_slot[0] = ms_wait;
       ms_slot[1] = ms_span;
+      ms_slot[6] = ms_g0;
+      ms_slot[7] = ms_g1;
     }} else {{
       atomicAdd(ms_slot + 2, (unsigned long long)ms_wait);
       atomicAdd(ms_slot + 3, ms_span);
       atomicAdd(ms_slot + 4, 1ull);
+      atomicAdd(ms_slot + 5, (unsigned long long)ms_first);
     }}
   }}
 """
@@ -315,12 +324,18 @@ def ws_waits(fmt, m, n, k):
         call(copies[0])
         torch.cuda.synchronize()
     r = slots.cpu().double()
-    waits = dict(zip(WAIT_FIELDS, r.T[:len(WAIT_FIELDS)]))
+    waits = dict(zip(WAIT_FIELDS, r.T))
+    start, end = waits["start_ns"], waits["end_ns"]
     return {"op": "ws waits", **head, "ctas": ctas,
             "producer_waits_empty": (waits["producer_wait"] / waits["producer_span"]).median().item(),
             "consumers_wait_full": (waits["consumer_wait"] / waits["consumer_span"]).median().item(),
+            "consumers_wait_first": (waits["consumer_first"] / waits["consumer_span"]).median().item(),
             "consumer_warps": waits["consumer_warps"].median().item(),
-            "span_cycles_median": waits["producer_span"].median().item()}
+            "span_cycles_median": waits["producer_span"].median().item(),
+            # %globaltimer, ns from the first CTA's start: the spread of the CTAs' starts and of their loops' ends
+            "start_spread_ns": (start.max() - start.min()).item(),
+            "end_first_ns": (end.min() - start.min()).item(), "end_median_ns": (end.median() - start.min()).item(),
+            "end_last_ns": (end.max() - start.min()).item()}
 
 
 def read_probes():

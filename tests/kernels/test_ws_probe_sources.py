@@ -45,15 +45,16 @@ def test_bounds_sources_build(probe):
         _build(text)
 
 
-def test_waits_source_builds_with_clock_reads_and_three_adds(probe):
+def test_waits_source_builds_with_clock_reads_and_four_adds(probe):
     compiled = _build(probe.waits_source(0x7F0000000000))
     sass = nvrtc.disassemble(compiled.cubin)
     for v in VARIANTS:
         code = sass[compiled.symbols[D.name_expression(*v)]]
         assert code.count("SR_CLOCKLO") >= 6, D.name_expression(*v)  # t0, around two waits, the span
-        # the consumers' three sums (a generic address: ptxas adds a shared-memory path beside each global add)
+        assert code.count("SR_GLOBALTIMERLO") >= 2, D.name_expression(*v)  # the producer's start and end
+        # the consumers' four sums (a generic address: ptxas adds a shared-memory path beside each global add)
         adds = [op for op in nvrtc.sass_opcodes(code) if op.startswith(("ATOM.E.ADD", "RED.E.ADD"))]
-        assert len(adds) == 3, adds
+        assert len(adds) == 4, adds
 
 
 def test_a_moved_patch_point_is_named(probe):
