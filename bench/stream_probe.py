@@ -270,6 +270,47 @@ def waits_source(buffer_address: int) -> str:
     return wgmma_ws.source() + "\n" + _splice(src, release, record + release)
 
 
+TIMELINE_FIELDS = ("start_ns", "land_ns", "loop_end_ns", "end_ns", "cta")
+
+
+def timeline_source(buffer_address: int) -> str:
+    """decode_ws's source with %globaltimer stamps (module docstring, probe 6): thread 0 of every CTA appends
+    TIMELINE_FIELDS to int64 records [1 + n, 8] at buffer_address (record 0 holds the count): the CTA's first
+    instruction, its first stage landing, the end of its K loop and its last instruction."""
+    from microscale.kernels.sm90 import decode_ws, wgmma_ws
+    src = decode_ws.SOURCE_PATH.read_text()
+    stamp = 'asm volatile("mov.u64 %0, %globaltimer;" : "=l"({}));\n'.format
+    head = "  using L = RingSmem<FMT, BM, RGS, STEPS, STAGES, NORM>;\n"
+    src = _splice(src, head, head + "  unsigned long long ms_s, ms_land = 0, ms_loop = 0, ms_e;\n  " + stamp("ms_s"))
+    wait = "      mbar_wait((NORM ? ready : full) + 8 * stage, phase);\n"
+    src = _splice(src, wait, wait + "      if (i == 0 && threadIdx.x == 0) " + stamp("ms_land"))
+    release = "  release_dependents();  // what is left"
+    src = _splice(src, release, "  if (threadIdx.x == 0) " + stamp("ms_loop") + release)
+    tail = "  if constexpr (SPLIT > 1) cluster_sync();  // no CTA leaves"
+    record = f"""  if (threadIdx.x == 0) {{
+    {stamp("ms_e")}    unsigned long long* ms_buf = (unsigned long long*){buffer_address}ull;
+    unsigned long long* ms_rec = ms_buf + 8ull * (1ull + atomicAdd(ms_buf, 1ull));
+    ms_rec[0] = ms_s; ms_rec[1] = ms_land; ms_rec[2] = ms_loop; ms_rec[3] = ms_e; ms_rec[4] = blockIdx.x;
+  }}
+"""
+    i = src.index(tail)
+    j = src.index("\n", i) + 1
+    return wgmma_ws.source() + "\n" + src[:j] + record + src[j:]
+
+
+def fill_source(lead: int) -> str:
+    """decode_ws's source with the producer filling the ring `lead` stages ahead (probe 7): the first lead stages at
+    once, each later one of the first fill once the stage lead before it has landed, so that the first stages have
+    the memory to themselves (all STAGES at once, as decode_ws does, lands the first only when the whole fill has)."""
+    from microscale.kernels.sm90 import decode_ws
+    fill = ("      for (int i = 0; i < first; ++i) load_weights(i);\n      wait_prior_grid();\n"
+            "      for (int i = 0; i < first; ++i) load_x(i);\n")
+    led = (f"      for (int i = 0; i < min(first, {lead}); ++i) load_weights(i);\n      wait_prior_grid();\n"
+           f"      for (int i = 0; i < min(first, {lead}); ++i) load_x(i);\n"
+           f"      for (int i = {lead}; i < first; ++i) mbar_wait(full + 8 * (i - {lead}), 0), load_weights(i), load_x(i);\n")
+    return _splice(decode_ws.source(), fill, led)
+
+
 @contextlib.contextmanager
 def _decode_ws_source(src: str):
     """decode_ws builds its kernels from src inside the block (the caches cleared on the way in and out)."""
@@ -338,6 +379,73 @@ def ws_waits(fmt, m, n, k):
             "end_last_ns": (end.max() - start.min()).item()}
 
 
+def ws_timeline(fmt, m, n, k, programmatic=False):
+    """Probe 6: per call of a CUDA-graph replay (bench/gemm.py's timing), us from the call's first CTA start: the
+    CTAs' first stages landing (median), their loops' ends (median, last), their ends (last), and the gap to the
+    next call's first CTA; the medians over the replay's calls."""
+    call, copies, cfg, head = _ws_case(fmt, m, n, k)
+    buf = torch.zeros(1 + (1 << 17), 8, dtype=torch.int64, device="cuda")
+    os.environ[launch.PDL_ENV] = "1" if programmatic else "0"
+    try:
+        with _decode_ws_source(timeline_source(buf.data_ptr())):
+            us = gemm._time_graph(call, copies)
+    finally:
+        del os.environ[launch.PDL_ENV]
+    count = int(buf[0, 0])
+    r = buf[1:1 + count, :len(TIMELINE_FIELDS)].cpu().double()
+    ctas = len(set(r[:, 4].tolist()))
+    calls = max(8, len(copies))
+    r = r[r[:, 0].argsort()][-calls * ctas:]  # the last replay, by start time
+    per = r.reshape(calls, ctas, len(TIMELINE_FIELDS))
+    t0 = per[:, :, 0].min(1).values[:, None]
+    rel = lambda c: (per[:, :, c] - t0) / 1e3  # noqa: E731
+    gaps = (per[1:, :, 0].min(1).values - per[:-1, :, 3].max(1).values) / 1e3
+    med = lambda v: v.median().item()  # noqa: E731
+    return {"op": "ws timeline", **head, "programmatic": programmatic, "us_per_call": us, "ctas": ctas,
+            "start_last": med(rel(0).max(1).values), "land_median": med(rel(1).median(1).values),
+            "loop_end_median": med(rel(2).median(1).values), "loop_end_last": med(rel(2).max(1).values),
+            "end_last": med(rel(3).max(1).values), "gap_to_next": med(gaps)}
+
+
+def ws_fill(fmt, m, n, k, rings=((4, None), (2, 4), (2, 5), (2, 6), (2, 8)), leads=(1, 2, 99), rounds=2):
+    """Probe 7: decode_ws with ring_config's groups and split and the given (steps, stages) rings (None: ring_config's),
+    each filled `lead` stages ahead (fill_source; 99: all at once, as decode_ws does)."""
+    from dataclasses import replace
+    from microscale.kernels.sm90 import decode_ws
+    from microscale.kernels.sm90.decode import FMT_CODE
+    _, copies, cfg0, head = _ws_case(fmt, m, n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    recs = []
+    for steps, stages in rings:
+        cfg = replace(cfg0, steps=steps, stages=stages or cfg0.stages)
+        call = lambda p: decode_ws.decode_ws_gemm(x, *p, None, FMT_CODE[fmt], n, k, cfg=cfg)  # noqa: E731
+        for lead in leads:
+            if lead != 99 and lead >= cfg.stages:
+                continue
+            rec = {"op": "ws fill", **head, "steps": cfg.steps, "stages": cfg.stages, "lead": lead, "us": []}
+            recs.append((rec, call, fill_source(lead)))
+    for _ in range(rounds):
+        for rec, call, src in recs:
+            with _decode_ws_source(src):
+                rec["us"].append(gemm._time_graph(call, copies))
+    return [rec for rec, _, _ in recs]
+
+
+WS_CASES = (("nvfp4", 1, 28672, 8192), ("nvfp4", 1, 8192, 28672), ("nvfp4", 1, 8192, 8192), ("mxfp4", 1, 28672, 8192),
+            ("nvfp4", 1, 4096, 14336))
+
+
+def ws_timeline_probes():
+    for case in WS_CASES:
+        yield ws_timeline(*case)
+        yield ws_timeline(*case, programmatic=True)
+
+
+def ws_fill_probes():
+    for case in WS_CASES:
+        yield from ws_fill(*case)
+
+
 def read_probes():
     for n, k in ((28672, 8192), (8192, 28672), (8192, 8192)):
         for split in (2, 4, 8):
@@ -372,7 +480,8 @@ def ws_bounds_probes():
         yield ws_bounds(fmt, m, n, k)
 
 
-PROBES = {"read": read_probes, "ring": ring_probes, "ws-bounds": ws_bounds_probes, "ws-waits": ws_waits_probes}
+PROBES = {"read": read_probes, "ring": ring_probes, "ws-bounds": ws_bounds_probes, "ws-waits": ws_waits_probes,
+          "ws-timeline": ws_timeline_probes, "ws-fill": ws_fill_probes}
 
 
 def main():

@@ -26,6 +26,25 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// A cluster barrier in two halves: arrive (relaxed: orders nothing but itself, e.g. right after the mbarriers'
+// init and its fence) and, later, wait for every thread of the cluster to have arrived.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+// Stores into the shared memory of a CTA of the cluster (`addr` and `bar` mapped to it by map_to_rank) that
+// complete their bytes on that CTA's mbarrier `bar`, as a TMA copy does: the receiver waits on its own barrier
+// and nobody waits on a cluster barrier.
+__device__ __forceinline__ void st_async_v4(u32 addr, float a, float b, float c, float d, u32 bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               :: "r"(addr), "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_async_f32(u32 addr, float a, u32 bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               :: "r"(addr), "f"(a), "r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
 }

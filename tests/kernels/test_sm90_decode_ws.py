@@ -55,14 +55,15 @@ def test_sass_holds_the_ring(build, fmt, cfg):
     code = sass[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg)]]
     # a consumer warp's stage: steps / k_warps K steps, each 4 slices of 16 with block_m / 8 MMAs of 8 activation rows
     assert len(re.findall(r"HMMA\.16816\.F32\.BF16", code)) == 4 * cfg.steps // cfg.k_warps * cfg.block_m // 8
-    # partials go through shared memory (16-byte stores) to the row group's first warp or the cluster's peers
-    assert ("STS.128" in code) == (cfg.k_warps > 1 or cfg.split > 1)
+    # partials go through shared memory (16-byte stores) to the row group's first warp
+    assert ("STS.128" in code) == (cfg.k_warps > 1)
     assert "UTMALDG.2D" in code and "UTMALDG.3D" in code and "UTMALDG.4D" in code  # x, scales, words
     assert "UTMACCTL.PF" in code  # the maps (kernel parameters) prefetched
     for op in ("SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT"):
         assert op in code, op
-    if cfg.split > 1:  # partials summed through the cluster's shared memory, cluster barriers
-        assert code.count("UCGABAR_ARV") == 2 and "LD.E.128" in code
+    if cfg.split > 1:  # partials sent into the peers' shared memory (st.async), one cluster barrier for the init
+        assert code.count("UCGABAR_ARV") == 1 and "UCGABAR_WAIT" in code and "STAS.128" in code
+        assert "LD.E.128" not in code  # nothing read from a peer's shared memory
     else:
         assert "UCGABAR_ARV" not in code
     res = resources[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg)]]
@@ -171,7 +172,21 @@ def test_norm_adds_its_barriers_and_row_sums_to_the_shared_memory():
     for cfg in NORM_CONFIGS:
         for f in FMT_CODE.values():
             extra = cfg.smem_bytes(f, norm=True) - cfg.smem_bytes(f)
-            assert 8 * cfg.stages + 4 * cfg.block_m <= extra < 8 * cfg.stages + 4 * cfg.block_m + 16 and extra % 16 == 0
+            # ready barriers, the row sums, and with a split the peers' row sums received
+            need = 8 * cfg.stages + 4 * cfg.block_m * (1 + (cfg.split if cfg.split > 1 else 0))
+            assert abs(extra - need) < 16 and extra % 16 == 0  # each region padded to 16 bytes
+
+
+def test_split_adds_the_peers_partials_to_the_shared_memory():
+    """A CTA of a split receives, per rank, the partials of the row groups it stores: ceil(groups / split) warps of
+    32 lanes x block_m / 2 floats, and their barrier."""
+    for cfg in CONFIGS + NORM_CONFIGS:
+        if cfg.split == 1:
+            continue
+        for f in FMT_CODE.values():
+            extra = cfg.smem_bytes(f) - dataclasses.replace(cfg, split=1).smem_bytes(f)
+            need = 8 + cfg.split * -(-cfg.groups // cfg.split) * 32 * cfg.block_m // 2 * 4
+            assert abs(extra - need) < 16 and extra % 16 == 0
 
 
 def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkeypatch):

@@ -10,8 +10,9 @@
 // the weights as A and x as B, as the Triton kernel does. With KW > 1, KW consumer warps share a row group,
 // warp p taking the K steps s = p mod KW of each stage, and their partials are summed through shared memory
 // in warp order: small weights give an SM few row groups, and one warp per scheduler leaves the decode's
-// latency exposed. Split-K over the CTAs of a cluster, the partials summed through distributed shared
-// memory in rank order. With GATED the weight holds gate/up row pairs (kernels/gated.py: rows g and g + 8
+// latency exposed. Split-K over the CTAs of a cluster: a CTA sends its partials of the rows a peer stores
+// into the peer's shared memory (st.async, completing a barrier there), where they are summed in rank order;
+// no cluster barrier waits for the slower CTA of the pair but the receiver. With GATED the weight holds gate/up row pairs (kernels/gated.py: rows g and g + 8
 // of a row group, one thread's two accumulator halves) and y gets silu(gate) * up, N / 2 columns.
 // With NORM (kernels/rmsnorm.py) x is h and the kernel computes y = W rmsnorm(h) * norm_weight: a norm warp
 // takes each stage as it lands, sums the squares of h's rows and multiplies h by norm_weight in place (bf16,
@@ -25,7 +26,9 @@ namespace ms90 {
 
 // A stage: x's STEPS boxes of BM rows, then the words [RGS][STEPS][DATA_BYTES], then the scales
 // [RGS][STEPS][SCALE_BYTES] (the TMA boxes' order), padded to 1024 bytes; the full/empty barriers after the ring.
-template <int FMT, int BM, int RGS, int STEPS, int STAGES, int NORM>
+// SPLIT > 1: the peers' partials of the row groups this CTA stores and (NORM) their x row sums land in RECV,
+// [SPLIT ranks][OWNED warps][32 lanes][ACC] floats then [SPLIT][BM] floats, completing the RECV_BAR barrier.
+template <int FMT, int BM, int RGS, int STEPS, int STAGES, int NORM, int SPLIT>
 struct RingSmem {
   static constexpr int X_STEP = BM * X_ROW_BYTES;  // one K step of x, 128B-swizzled rows
   static constexpr int X_BYTES = STEPS * X_STEP;
@@ -37,12 +40,16 @@ struct RingSmem {
   static constexpr int EMPTY_OFF = FULL_OFF + 8 * STAGES;
   static constexpr int READY_OFF = EMPTY_OFF + 8 * STAGES;  // NORM: x normalized, per stage
   static constexpr int SUMSQ_OFF = READY_OFF + (NORM ? 8 * STAGES : 0);  // NORM: x's sums of squares, BM floats
-  // NORM: the K part's slice of the norm weight, `steps` x 128 bytes (a launch-time size) after BYTES' share
-  static constexpr int WEIGHT_OFF = (SUMSQ_OFF + (NORM ? 4 * BM : 0) + 15) / 16 * 16;
-  static constexpr int BYTES = WEIGHT_OFF + 1024;
   static constexpr int ACC = BM / 2;  // fp32 accumulators per thread
+  static constexpr int OWNED = (RGS + SPLIT - 1) / SPLIT;  // row groups a CTA of the cluster stores, at most
+  static constexpr int RECV_BAR_OFF = SUMSQ_OFF + (NORM ? 4 * BM : 0);
+  static constexpr int RECV_OFF = (RECV_BAR_OFF + (SPLIT > 1 ? 8 : 0) + 15) / 16 * 16;
+  static constexpr int RECV_SUMSQ_OFF = RECV_OFF + SPLIT * OWNED * 32 * ACC * 4;
+  static constexpr int RECV_BYTES = SPLIT > 1 ? SPLIT * (OWNED * 32 * ACC * 4 + (NORM ? 4 * BM : 0)) : 0;
+  // NORM: the K part's slice of the norm weight, `steps` x 128 bytes (a launch-time size) after BYTES' share
+  static constexpr int WEIGHT_OFF = (RECV_OFF + RECV_BYTES + 15) / 16 * 16;
+  static constexpr int BYTES = WEIGHT_OFF + 1024;
   static_assert(X_STEP % 1024 == 0, "swizzled x boxes must stay 1024-byte aligned");
-  static_assert(RGS * 32 * ACC * 4 <= FULL_OFF, "the split-K partial must fit in the ring");
 };
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -157,14 +164,14 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
                const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int steps,
                const u16* __restrict__ norm_weight, float norm_eps, int K, const u16* __restrict__ residual,
                int ldr) {
-  using L = RingSmem<FMT, BM, RGS, STEPS, STAGES, NORM>;
+  using L = RingSmem<FMT, BM, RGS, STEPS, STAGES, NORM, SPLIT>;
   static_assert(STEPS % KW == 0, "a stage's K steps are shared out among the KW warps of a row group");
   static_assert(RGS * KW * 32 * L::ACC * 4 <= L::FULL_OFF, "the partials must fit in the ring");
   constexpr int CONSUMERS = RGS * KW;
   extern __shared__ unsigned char smem_raw[];
   const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
   const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF, ready = smem + L::READY_OFF;
-  const u32 sumsq = smem + L::SUMSQ_OFF;
+  const u32 sumsq = smem + L::SUMSQ_OFF, recv = smem + L::RECV_OFF, recv_bar = smem + L::RECV_BAR_OFF;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_tile = blockIdx.x / SPLIT;
   const int part = SPLIT == 1 ? 0 : static_cast<int>(cluster_rank());
@@ -174,7 +181,17 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
   if (NORM && threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) mbar_init(ready + 8 * s, 1);  // fenced with the others'
   }
+  if (SPLIT > 1 && threadIdx.x == 0) mbar_init(recv_bar, 1);
   init_ring_barriers(full, empty, STAGES, CONSUMERS);
+  if constexpr (SPLIT > 1) {
+    // The peers' partials for the row groups this CTA stores (and their row sums) complete recv_bar, and no
+    // peer may send before the barrier is initialized: the cluster barrier's wait comes after the K loop.
+    if (threadIdx.x == 0) {
+      const int owned = (RGS - part + SPLIT - 1) / SPLIT;
+      mbar_arrive_expect_tx(recv_bar, (SPLIT - 1) * (owned * 32 * L::ACC * 4 + (NORM ? 4 * BM : 0)));
+    }
+    cluster_arrive_relaxed();
+  }
 
   float acc[L::ACC];
 #pragma unroll
@@ -291,7 +308,7 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(partial + 4 * i), "f"(acc[i]), "f"(acc[i + 1]),
                    "f"(acc[i + 2]), "f"(acc[i + 3]) : "memory");
   };
-  if constexpr (KW > 1 || SPLIT > 1 || NORM) {
+  if constexpr (KW > 1 || NORM) {
     __syncthreads();  // every consumer is done with the ring (it takes the partials); the norm warp's sums are in
   }
   if constexpr (KW > 1) {
@@ -312,19 +329,41 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     }
   }
   if constexpr (SPLIT > 1) {
-    if (mine) store_partial();
-    cluster_sync();
-    mine = stores;  // each CTA sums and stores the rows of RGS / SPLIT warps
+    // Each CTA stores the rows of warps w = rank (mod SPLIT); the others send it their K parts' sums of those
+    // rows, which it adds in rank order (the same sum whatever CTA finishes first).
+    cluster_wait();
+    if (mine && warp % SPLIT != part) {
+      const u32 owner = warp % SPLIT, bar = map_to_rank(recv_bar, owner);
+      const u32 slot = recv + ((part * L::OWNED + warp / SPLIT) * 32 + lane) * (4 * L::ACC);
+#pragma unroll
+      for (int i = 0; i < L::ACC; i += 4)
+        st_async_v4(map_to_rank(slot + 4 * i, owner), acc[i], acc[i + 1], acc[i + 2], acc[i + 3], bar);
+    }
+    if (NORM && threadIdx.x < BM) {  // x's row sums, complete since the __syncthreads above, to every peer
+      float v;
+      asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(sumsq + 4 * threadIdx.x) : "memory");
+#pragma unroll
+      for (int r = 0; r < SPLIT; ++r) {
+        if (r != part) {
+          st_async_f32(map_to_rank(smem + L::RECV_SUMSQ_OFF + 4 * (part * BM + threadIdx.x), r), v,
+                       map_to_rank(recv_bar, r));
+        }
+      }
+    }
+    mine = stores;
     if (mine) {
+      mbar_wait(recv_bar, 0);
+      const u32 slots = recv + ((warp / SPLIT) * 32 + lane) * (4 * L::ACC);
 #pragma unroll
       for (int i = 0; i < L::ACC; i += 4) {
+        const float own[4] = {acc[i], acc[i + 1], acc[i + 2], acc[i + 3]};
 #pragma unroll
         for (int r = 0; r < SPLIT; ++r) {
-          float v[4];
-          asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                       : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
-                       : "r"(map_to_rank(partial + 4 * i, r))
-                       : "memory");
+          float v[4] = {own[0], own[1], own[2], own[3]};
+          if (r != part) {
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                         : "r"(slots + r * L::OWNED * 32 * 4 * L::ACC + 4 * i) : "memory");
+          }
 #pragma unroll
           for (int j = 0; j < 4; ++j) acc[i + j] = r == 0 ? v[j] : acc[i + j] + v[j];
         }
@@ -344,12 +383,8 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
 #pragma unroll
           for (int r = 0; r < SPLIT; ++r) {
             float v;
-            if constexpr (SPLIT > 1) {
-              asm volatile("ld.shared::cluster.f32 %0, [%1];"
-                           : "=f"(v) : "r"(map_to_rank(sumsq + 4 * m, r)) : "memory");
-            } else {
-              asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(sumsq + 4 * m) : "memory");
-            }
+            const u32 sums = r == part ? sumsq : smem + L::RECV_SUMSQ_OFF + 4 * BM * r;
+            asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(sums + 4 * m) : "memory");
             total += v;
           }
           rstd = rsqrtf(total / static_cast<float>(K) + norm_eps);
@@ -365,7 +400,6 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       }
     }
   }
-  if constexpr (SPLIT > 1) cluster_sync();  // no CTA leaves while a peer may still read its partial
 }
 
 }  // namespace ms90
