@@ -55,8 +55,7 @@ def stamped_source(buffer_address: int, counter_address: int) -> str:
     src = _splice(src, "      mbar_wait((NORM ? ready : full) + 8 * stage, phase);\n",
                   "      if (i == 0 && warp == 0 && lane == 0) " + stamp.format(4))
     src = _splice(src, "  release_dependents();", "  if (warp == 0 && lane == 0) " + stamp.format(5), before=True)
-    src = _splice(src, "  if constexpr (SPLIT > 1) cluster_sync();  // no CTA leaves",
-                  "  if (warp == 0 && lane == 0) " + stamp.format(6), before=True)
+    src = _splice(src, "}\n\n}  // namespace ms90", "  if (warp == 0 && lane == 0) " + stamp.format(6), before=True)
     helpers = f"""
 #define MS_STAMPS ((unsigned long long*){buffer_address}ull)
 #define MS_COUNTER ((unsigned*){counter_address}ull)

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/stream_probe.py --out bench/results/stream_probe_h200.json
     PYTHONPATH=. python3 bench/stream_probe.py --probe ring --out bench/results/stream_ring_h200.json
+    PYTHONPATH=. python3 bench/stream_probe.py --probe ws-waits|ws-timeline|ws-fill --out ...
 
 1. (--probe read, the default) Read-only kernels over the bytes of an NVFP4 weight's words (no scales, no decode, no MMA) in
    the decode kernel's access pattern: a program of 4 warps over 4 row groups (64 rows) and one K
@@ -24,7 +25,12 @@
 5. (--probe ws-waits) decode_ws with clock64 sums around its ring waits (waits_source): per CTA, the share
    of the producer's time spent waiting for the consumers to free a stage and of the consumers' time spent
    waiting for a stage to land, medians over the CTAs of one call after warm-ups. Both shares large at once
-   would say the ring, not either side, loses the time.
+   would say the ring, not either side, loses the time. Also each CTA's first-stage wait alone (the ramp) and the
+   spread of the CTAs' starts and loop ends (%globaltimer).
+6. (--probe ws-timeline) decode_ws with %globaltimer stamps per CTA (timeline_source) under bench/gemm.py's timing:
+   per call, when the first stage lands, the loops and the CTAs end, and the gap to the next call; plain and
+   programmatic launches.
+7. (--probe ws-fill) decode_ws with the first ring fill `lead` stages ahead (fill_source) on several ring shapes.
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
 
@@ -280,22 +286,20 @@ def timeline_source(buffer_address: int) -> str:
     from microscale.kernels.sm90 import decode_ws, wgmma_ws
     src = decode_ws.SOURCE_PATH.read_text()
     stamp = 'asm volatile("mov.u64 %0, %globaltimer;" : "=l"({}));\n'.format
-    head = "  using L = RingSmem<FMT, BM, RGS, STEPS, STAGES, NORM>;\n"
+    head = "  using L = RingSmem<FMT, BM, RGS, STEPS, STAGES, NORM, SPLIT>;\n"
     src = _splice(src, head, head + "  unsigned long long ms_s, ms_land = 0, ms_loop = 0, ms_e;\n  " + stamp("ms_s"))
     wait = "      mbar_wait((NORM ? ready : full) + 8 * stage, phase);\n"
     src = _splice(src, wait, wait + "      if (i == 0 && threadIdx.x == 0) " + stamp("ms_land"))
     release = "  release_dependents();  // what is left"
     src = _splice(src, release, "  if (threadIdx.x == 0) " + stamp("ms_loop") + release)
-    tail = "  if constexpr (SPLIT > 1) cluster_sync();  // no CTA leaves"
+    tail = "}\n\n}  // namespace ms90"  # the kernel's end
     record = f"""  if (threadIdx.x == 0) {{
     {stamp("ms_e")}    unsigned long long* ms_buf = (unsigned long long*){buffer_address}ull;
     unsigned long long* ms_rec = ms_buf + 8ull * (1ull + atomicAdd(ms_buf, 1ull));
     ms_rec[0] = ms_s; ms_rec[1] = ms_land; ms_rec[2] = ms_loop; ms_rec[3] = ms_e; ms_rec[4] = blockIdx.x;
   }}
 """
-    i = src.index(tail)
-    j = src.index("\n", i) + 1
-    return wgmma_ws.source() + "\n" + src[:j] + record + src[j:]
+    return wgmma_ws.source() + "\n" + _splice(src, tail, record + tail)
 
 
 def fill_source(lead: int) -> str:

@@ -1,4 +1,4 @@
-"""bench/stream_probe.py's patched decode_ws sources (probes 4 and 5) on the CPU: every patch point is found once
+"""bench/stream_probe.py's patched decode_ws sources (probes 4 to 7) on the CPU: every patch point is found once
 and each variant builds for sm_90a, so a change to decode_ws.cuh that moves a line breaks here, not on the GPU."""
 
 import importlib.util
@@ -55,6 +55,22 @@ def test_waits_source_builds_with_clock_reads_and_four_adds(probe):
         # the consumers' four sums (a generic address: ptxas adds a shared-memory path beside each global add)
         adds = [op for op in nvrtc.sass_opcodes(code) if op.startswith(("ATOM.E.ADD", "RED.E.ADD"))]
         assert len(adds) == 4, adds
+
+
+def test_timeline_source_stamps_four_times_and_appends_by_an_atomic(probe):
+    compiled = _build(probe.timeline_source(0x7F0000000000))
+    sass = nvrtc.disassemble(compiled.cubin)
+    for v in VARIANTS:
+        code = sass[compiled.symbols[D.name_expression(*v)]]
+        assert code.count("SR_GLOBALTIMERLO") >= 4, D.name_expression(*v)  # start, first stage, loop end, end
+        assert any(op.startswith(("ATOM", "ATOMG")) for op in nvrtc.sass_opcodes(code))
+
+
+@pytest.mark.parametrize("lead", [1, 2])
+def test_fill_source_waits_for_the_first_stages_before_the_rest(probe, lead):
+    text = probe.fill_source(lead)
+    assert f"mbar_wait(full + 8 * (i - {lead}), 0)" in text
+    _build(text)
 
 
 def test_a_moved_patch_point_is_named(probe):
