@@ -89,7 +89,6 @@ def _weights(n, k, fmt, seed):
 def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
     """Records for one format and (N, K) over the M values."""
     from microscale.kernels import sm90
-    from microscale.kernels.sm90 import launch as paths
     w, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
     nbytes_q = sum(t.numel() * t.element_size() for t in prep)
@@ -104,8 +103,7 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         rec = {"format": fmt, "M": m, "N": n, "K": k}
         opts = {"fp8_activations": True} if kernels == "fp8" else {}
-        kernel = kernels or sm90.choose_kernel(fmt, m, opts, x.dtype, torch.cuda.get_device_capability(), n, k=k,
-                                               programmatic=paths.programmatic_launch(x.device))
+        kernel = kernels or sm90.choose_kernel(fmt, m, opts, x.dtype, torch.cuda.get_device_capability(), n, k=k)
         rec["backend"] = f"sm90:{kernel}"
         reps = dict(replays=10, calls=8) if m <= 64 else dict(replays=5, calls=2)  # long calls: fewer
         # ours and cuBLAS bf16 timed twice, interleaved, each keeping its faster run, so one

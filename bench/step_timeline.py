@@ -51,7 +51,7 @@ def stamped_source(buffer_address: int, counter_address: int) -> str:
                   "    MS_STAMPS[8ull * ms_slot] = (unsigned long long)N | ((unsigned long long)KT << 32);\n"
                   "    MS_STAMPS[8ull * ms_slot + 1] = blockIdx.x | ((unsigned long long)ms_smid() << 32);\n"
                   "    " + stamp.format(2) + "  }\n", before=True)
-    src = _splice(src, "      for (int i = 0; i < first; ++i) load_x(i);\n", "      " + stamp.format(3), before=True)
+    src = _splice(src, "      for (int i = 0; i < lead; ++i) load_x(i);\n", "      " + stamp.format(3), before=True)
     src = _splice(src, "      mbar_wait((NORM ? ready : full) + 8 * stage, phase);\n",
                   "      if (i == 0 && warp == 0 && lane == 0) " + stamp.format(4))
     src = _splice(src, "  release_dependents();", "  if (warp == 0 && lane == 0) " + stamp.format(5), before=True)

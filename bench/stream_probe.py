@@ -303,16 +303,11 @@ def timeline_source(buffer_address: int) -> str:
 
 
 def fill_source(lead: int) -> str:
-    """decode_ws's source with the producer filling the ring `lead` stages ahead (probe 7): the first lead stages at
-    once, each later one of the first fill once the stage lead before it has landed, so that the first stages have
-    the memory to themselves (all STAGES at once, as decode_ws does, lands the first only when the whole fill has)."""
+    """decode_ws's source with the producer's first fill `lead` stages ahead for every variant (probe 7): the first
+    lead stages at once, each later one of the first fill once the stage lead before it has landed (decode_ws does
+    so with lead 2 for its NORM variants and the whole ring at once for the others)."""
     from microscale.kernels.sm90 import decode_ws
-    fill = ("      for (int i = 0; i < first; ++i) load_weights(i);\n      wait_prior_grid();\n"
-            "      for (int i = 0; i < first; ++i) load_x(i);\n")
-    led = (f"      for (int i = 0; i < min(first, {lead}); ++i) load_weights(i);\n      wait_prior_grid();\n"
-           f"      for (int i = 0; i < min(first, {lead}); ++i) load_x(i);\n"
-           f"      for (int i = {lead}; i < first; ++i) mbar_wait(full + 8 * (i - {lead}), 0), load_weights(i), load_x(i);\n")
-    return _splice(decode_ws.source(), fill, led)
+    return _splice(decode_ws.source(), "lead = min(first, NORM ? 2 : STAGES);", f"lead = min(first, {lead});")
 
 
 @contextlib.contextmanager
@@ -413,7 +408,7 @@ def ws_timeline(fmt, m, n, k, programmatic=False):
 
 def ws_fill(fmt, m, n, k, rings=((4, None), (2, 4), (2, 5), (2, 6), (2, 8)), leads=(1, 2, 99), rounds=2):
     """Probe 7: decode_ws with ring_config's groups and split and the given (steps, stages) rings (None: ring_config's),
-    each filled `lead` stages ahead (fill_source; 99: all at once, as decode_ws does)."""
+    each filled `lead` stages ahead (fill_source; 99: all at once, as decode_ws does without NORM)."""
     from dataclasses import replace
     from microscale.kernels.sm90 import decode_ws
     from microscale.kernels.sm90.decode import FMT_CODE

@@ -115,9 +115,8 @@ def test_custom_op_opcheck_with_glue(seed):
 
 def test_sm90_fusions_follow_the_kernel_choice(monkeypatch):
     """sm90.fusions says the kernel takes the residual exactly where choose_kernel picks decode_ws, and the norm
-    there up to M = 8: the Llama-8B projections at M = 1 under programmatic launches, 4096x4096 without them too,
-    only the residual at M = 16, nothing on 6144x4096 without them (the Triton kernel), at M = 17 (no decode_ws)
-    or where cuda-python is missing."""
+    there up to M = 8: the Llama-8B projections at M = 1, only the residual at M = 16, nothing at M = 17 (no
+    decode_ws) or where cuda-python is missing."""
     from microscale.kernels import sm90
 
     monkeypatch.setattr(sm90, "compute_capability", lambda device: (9, 0))
@@ -125,16 +124,13 @@ def test_sm90_fusions_follow_the_kernel_choice(monkeypatch):
     monkeypatch.setattr(sm90.paths, "device_index", lambda device: 0)
     monkeypatch.setattr(sm90.wgmma_ws, "have_cuda_python", lambda: True)
     both = frozenset(rmsnorm.FUSIONS)
-    for programmatic in (False, True):
-        monkeypatch.setattr(sm90.paths, "programmatic_launch", lambda device, p=programmatic: p)
-        for m, n, k in ((1, 4096, 4096), (1, 6144, 4096), (4, 4096, 14336), (8, 4096, 4096), (16, 4096, 4096),
-                        (17, 4096, 4096), (1, 57344, 4096), (16, 57344, 4096)):
-            kernel = sm90.choose_kernel("nvfp4", m, {}, torch.bfloat16, (9, 0), n, True, k, 132, programmatic)
-            want = (both if m <= 8 else frozenset({"residual"})) if kernel == "decode_ws" else frozenset()
-            assert sm90.fusions("nvfp4", m, n, k, "cuda") == want
-        assert sm90.fusions("nvfp4", 1, 6144, 4096, "cuda") == (both if programmatic else frozenset())
-        assert sm90.fusions("nvfp4", 1, 4096, 4096, "cuda") == both
-        assert sm90.fusions("nvfp4", 16, 4096, 4096, "cuda") == frozenset({"residual"})
-        assert sm90.fusions("nvfp4", 17, 4096, 4096, "cuda") == frozenset()
+    for m, n, k in ((1, 4096, 4096), (1, 6144, 4096), (4, 4096, 14336), (8, 4096, 4096), (16, 4096, 4096),
+                    (17, 4096, 4096), (1, 57344, 4096), (16, 57344, 4096)):
+        kernel = sm90.choose_kernel("nvfp4", m, {}, torch.bfloat16, (9, 0), n, True, k, 132)
+        want = (both if m <= 8 else frozenset({"residual"})) if kernel == "decode_ws" else frozenset()
+        assert sm90.fusions("nvfp4", m, n, k, "cuda") == want
+    assert sm90.fusions("nvfp4", 1, 6144, 4096, "cuda") == both
+    assert sm90.fusions("nvfp4", 16, 4096, 4096, "cuda") == frozenset({"residual"})
+    assert sm90.fusions("nvfp4", 17, 4096, 4096, "cuda") == frozenset()
     monkeypatch.setattr(sm90.wgmma_ws, "have_cuda_python", lambda: False)
     assert sm90.fusions("nvfp4", 1, 4096, 4096, "cuda") == frozenset()

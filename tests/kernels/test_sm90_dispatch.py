@@ -9,25 +9,22 @@ from microscale.kernels import sm90
 
 def test_rule_by_m_dtype_and_architecture(monkeypatch):
     monkeypatch.delenv("MICROSCALE_SM90_KERNEL", raising=False)
-    assert sm90.choose_kernel("nvfp4", 1, {}) == "decode"
+    assert sm90.choose_kernel("nvfp4", 17, {}) == "decode"
     assert sm90.choose_kernel("nvfp4", sm90.DECODE_MAX_M, {}) == "decode"
     assert sm90.choose_kernel("nvfp4", sm90.DECODE_MAX_M + 1, {}) == "wgmma"
-    # M <= 16: the TMA-ring kernel where decode_ws.ring_wins (bf16 x TMA can read, sm_90)
+    # M <= 16: the TMA-ring kernel where decode_ws.ring_wins (bf16 x TMA can read, sm_90): FP4 wherever it fills the SMs
     assert sm90.choose_kernel("nvfp4", 1, {}, n=28672, k=8192) == "decode_ws"
-    assert sm90.choose_kernel("nvfp4", 1, {}, n=8192, k=8192) == "decode"
-    assert sm90.choose_kernel("nvfp4", 2, {}, n=8192, k=8192) == "decode_ws"
+    assert sm90.choose_kernel("nvfp4", 1, {}, n=8192, k=8192) == "decode_ws"
+    assert sm90.choose_kernel("mxfp4", 1, {}, n=6144, k=4096) == "decode_ws"
     assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192) == "decode_ws"
     assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, tma_ready=False) == "decode"
     assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, dtype=torch.float16) == "decode"
     assert sm90.choose_kernel("nvfp4", 16, {}, n=28672, k=8192, cc=(8, 0)) == "decode"
-    assert sm90.choose_kernel("nvfp4", 4, {}, n=4096, k=14336) == "decode"
-    assert sm90.choose_kernel("nvfp4", 1, {}, n=4096, k=4096) == "decode_ws"  # weights of at most 4096 x 4096
-    # under programmatic launches the ring also takes FP4 at M <= 8 on the small weights (decode_ws.PDL_SMALL_WEIGHT)
-    assert sm90.choose_kernel("nvfp4", 4, {}, n=4096, k=14336, programmatic=True) == "decode_ws"
-    assert sm90.choose_kernel("mxfp4", 1, {}, n=6144, k=4096, programmatic=True) == "decode_ws"
-    assert sm90.choose_kernel("mxfp8", 1, {}, n=6144, k=4096, programmatic=True) == "decode"
-    assert sm90.choose_kernel("nvfp4", 1, {}, n=8192, k=8192, programmatic=True) == "decode"
-    assert sm90.choose_kernel("nvfp4", 1, {}, n=4096, k=4096, programmatic=True, tma_ready=False) == "decode"
+    assert sm90.choose_kernel("nvfp4", 4, {}, n=4096, k=14336) == "decode_ws"
+    assert sm90.choose_kernel("nvfp4", 1, {}, n=4096, k=4096) == "decode_ws"
+    assert sm90.choose_kernel("nvfp4", 1, {}, n=4096, k=4096, tma_ready=False) == "decode"
+    assert sm90.choose_kernel("nvfp4", 1, {}, n=512, k=512) == "decode"  # 4 CTAs: most SMs idle
+    assert sm90.choose_kernel("mxfp8", 1, {}, n=6144, k=4096) == "decode"
     assert sm90.choose_kernel("mxfp8", 4, {}, n=28672, k=8192) == "decode"
     assert sm90.choose_kernel("mxfp8", 8, {}, n=28672, k=8192) == "decode_ws"
     assert sm90.choose_kernel("mxfp8", 8, {}, n=28672, k=8192, sms=2048) == "decode"  # too few tiles to fill

@@ -69,7 +69,7 @@ def test_timeline_source_stamps_four_times_and_appends_by_an_atomic(probe):
 @pytest.mark.parametrize("lead", [1, 2])
 def test_fill_source_waits_for_the_first_stages_before_the_rest(probe, lead):
     text = probe.fill_source(lead)
-    assert f"mbar_wait(full + 8 * (i - {lead}), 0)" in text
+    assert f"lead = min(first, {lead});" in text
     _build(text)
 
 

@@ -13,7 +13,7 @@ unprepare: its inverse (layout.unshuffle_weights; bit-exact for what our quantiz
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
     "decode_ws" bf16 activations, sm_90, M <= 16 where decode_ws.ring_wins (the weight's size, format and
-              M, and whether the launches are programmatic): a TMA producer warp streams weight stages into a
+              M): a TMA producer warp streams weight stages into a
               shared-memory ring, one or two consumer warps per 16 rows dequantize into mma.sync (decode_ws.py)
     "decode"  M <= DECODE_MAX_M otherwise, except at M = 9-32 where launch.wgmma_beats_decode: dequantize in
               registers into mma.sync (decode.py)
@@ -86,12 +86,11 @@ def unprepare(prepared, fmt, shape, global_scale=None) -> QTensor:
 
 
 def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 0), n: int = 8192,
-                  tma_ready: bool = True, k: int = 8192, sms: int = 132, programmatic: bool = False) -> str:
+                  tma_ready: bool = True, k: int = 8192, sms: int = 132) -> str:
     """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins.
     dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90, FP8 sm_89);
     n, k: the weight's shape; tma_ready: whether the TMA kernels can take these activations
-    (wgmma_ws.supports); sms: the device's SM count (decode_ws's tiling); programmatic: whether the decode
-    kernels go out as programmatic dependent launches (launch.programmatic_launch; decode_ws.ring_wins)."""
+    (wgmma_ws.supports); sms: the device's SM count (decode_ws's tiling)."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
     wgmma_ready = dtype == torch.bfloat16 and cc[0] == 9
     if forced == "decode_ws" and m > decode_ws.MAX_M:
@@ -107,7 +106,7 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
         kernel = forced
     elif options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
         kernel = "fp8"
-    elif wgmma_ready and tma_ready and decode_ws.ring_wins(FMT_CODE[fmt], m, n, k, sms, programmatic):
+    elif wgmma_ready and tma_ready and decode_ws.ring_wins(FMT_CODE[fmt], m, n, k, sms):
         kernel = "decode_ws"
     elif m <= DECODE_MAX_M and not (wgmma_ready and paths.wgmma_beats_decode(FMT_CODE[fmt], m, n, k)):
         kernel = "decode"
@@ -126,9 +125,9 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
 
 
 def _device_kernel(fmt: str, m: int, n: int, k: int, options: dict, dtype, device, tma_ready: bool) -> str:
-    """choose_kernel with the device's compute capability, SM count and launch mode."""
+    """choose_kernel with the device's compute capability and SM count."""
     return choose_kernel(fmt, m, options, dtype, compute_capability(device), n, tma_ready, k,
-                         paths.sm_count(paths.device_index(device)), paths.programmatic_launch(device))
+                         paths.sm_count(paths.device_index(device)))
 
 
 def _kernel_fusions(kernel: str, m: int) -> frozenset:

@@ -26,9 +26,6 @@ MAX_M = 16
 SPLITS = (1, 2)  # K parts per tile (a cluster); larger clusters of one CTA per SM do not all fit at once
 MIN_FILL = 0.85  # ring_wins: ring_config's tiling must give at least this fraction of the SMs a CTA
 MAX_WARPS = 32  # 1024 threads per CTA
-# ring_wins under programmatic launches: FP4 weights up to this many elements at M <= 8 (the Llama-8B decoder's
-# q/k/v, o and down projections)
-PDL_SMALL_WEIGHT = 4096 * 14336
 MAX_STAGE_BYTES = 48 * 1024
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 MAX_RING_STEPS = 16  # K steps a ring holds at most
@@ -112,31 +109,20 @@ def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
     return MIN_FILL * sms <= ctas <= sms
 
 
-def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, programmatic: bool = False) -> bool:
-    """Whether this kernel (ring_config's tiling) runs M <= 16 faster than the Triton decode kernel, from the
-    interleaved A/B of session 18 on 7 weights, 3 formats, M = 1-16 (sweep_h200.json run 18f; bf16 x):
-    - FP4 on weights of 8192 rows or more from M = 2 (level at M = 1 there: 8192x8192 13.9 us either way;
-      M = 8 15.3 -> 14.1), from M = 1 on 16384 rows or more (split 1: 28672x8192 37.3 -> 36.5,
-      M = 16 47.4 -> 39.9), and at M = 9-16 on weights of at most 4096x4096 elements (9.2 -> 8.3);
-    - MXFP8 from M = 8 (4096x4096 M = 8 10.1 -> 8.8; at M = 1-4 the Triton kernel, 8 programs per SM with
-      one tile in flight, is up to 8% faster on the large weights).
-    Elsewhere (FP4 6144x4096 and 4096x14336: 4-6 consumer warps per SM) the Triton kernel's finer split
-    wins by 4-21%. Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one
-    wave (fills).
-    With two consumer warps per row group up to M = 8 (ring_config, session 23; bench/pdl_chain.py, 32
-    weights back to back in one graph, bench/results/pdl_chain_h200.json) the ring also takes FP4 at M = 1-8 on
-    weights of at most 4096x4096 elements (NVFP4 4096x4096 M = 1 6.83 -> 6.43 us, M = 8 7.42 -> 6.48; MXFP4
-    alike) and, when the calls go out as programmatic dependent launches (`programmatic`,
-    launch.programmatic_launch), on weights of at most PDL_SMALL_WEIGHT elements (NVFP4 M = 1 6144x4096 7.71 ->
-    6.76, 4096x4096 6.56 -> 5.48, 4096x14336 12.63 -> 11.85; M = 2-8 and MXFP4 alike), where without them the
-    Triton kernel stays 2-5% faster at M = 1-4 (6144x4096 7.68 against 7.87, 4096x14336 12.27 against 12.93)."""
+def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
+    """Whether this kernel (ring_config's tiling) runs M <= 16 faster than the Triton decode kernel: FP4 wherever
+    the tiling fills the SMs (fills), MXFP8 from M = 8.
+    - FP4 (session 28, bench/results/sweep_h200.json run 28d, the two kernels interleaved, plain and programmatic
+      launches): with the split-K partials sent by st.async, decode_ws is faster at M = 1-16 on 8192x8192,
+      8192x28672, 6144x4096, 28672x4096 and 28672x8192, NVFP4 and MXFP4 (M = 1: 1-6% plain, 6-23% programmatic;
+      M = 8: 7-16% plain, 10-31% programmatic); on 4096x14336 programmatic 1-21% faster, plain level to 2.5% slower
+      at M = 1-2 and level at M = 16.
+    - MXFP8 from M = 8 (session 18, run 18f: 4096x4096 M = 8 10.1 -> 8.8 us; at M = 1-4 the Triton kernel, 8
+      programs per SM with one tile in flight, is up to 8% faster on the large weights).
+    Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
     if m > MAX_M or not fills(ring_config(m, n, k, fmt_code, sms), n, k, sms):
         return False
-    if fmt_code == 2:
-        return m >= 8
-    if n * k <= 4096 * 4096 or (programmatic and m <= 8 and n * k <= PDL_SMALL_WEIGHT):
-        return True
-    return n >= 8192 and (m >= 2 or n >= 16384)
+    return m >= 8 if fmt_code == 2 else True
 
 
 def fusions(m: int) -> frozenset:
