@@ -258,8 +258,8 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       // ring's requests together, so a whole ring issued at once lands its first stage only when the whole
       // ring has landed. With NORM (the decode step's q/k/v and gate/up, whose CTAs start shortly before
       // griddepcontrol.wait returns) the first fill keeps 2 stages ahead: each further stage goes out once the
-      // one two before it has landed (NVFP4 batch-1 step 1.803 -> 1.766 ms; the same for every kernel 1.779,
-      // and alone at M = 1 up to 3% slower: sweep_h200.json runs 28c/28d).
+      // one two before it has landed (NVFP4 batch-1 step 1.803 -> 1.766 ms, sweep_h200.json run 28d; the same
+      // for every variant 1.779; alone at M = 1 from 2% faster to 4% slower, bench/results/ws_probes_h200.json).
       const int first = min(stages_mine, STAGES), lead = min(first, NORM ? 2 : STAGES);
       for (int i = 0; i < lead; ++i) load_weights(i);
       wait_prior_grid();
