@@ -276,13 +276,13 @@ def waits_source(buffer_address: int) -> str:
     return wgmma_ws.source() + "\n" + _splice(src, release, record + release)
 
 
-TIMELINE_FIELDS = ("start_ns", "land_ns", "loop_end_ns", "end_ns", "cta")
+TIMELINE_FIELDS = ("start_ns", "land_ns", "loop_end_ns", "end_ns", "cta", "sm")
 
 
 def timeline_source(buffer_address: int) -> str:
     """decode_ws's source with %globaltimer stamps (module docstring, probe 6): thread 0 of every CTA appends
     TIMELINE_FIELDS to int64 records [1 + n, 8] at buffer_address (record 0 holds the count): the CTA's first
-    instruction, its first stage landing, the end of its K loop and its last instruction."""
+    instruction, its first stage landing, the end of its K loop, its last instruction, its index and its SM."""
     from microscale.kernels.sm90 import decode_ws, wgmma_ws
     src = decode_ws.SOURCE_PATH.read_text()
     stamp = 'asm volatile("mov.u64 %0, %globaltimer;" : "=l"({}));\n'.format
@@ -296,7 +296,10 @@ def timeline_source(buffer_address: int) -> str:
     record = f"""  if (threadIdx.x == 0) {{
     {stamp("ms_e")}    unsigned long long* ms_buf = (unsigned long long*){buffer_address}ull;
     unsigned long long* ms_rec = ms_buf + 8ull * (1ull + atomicAdd(ms_buf, 1ull));
+    unsigned ms_sm;
+    asm volatile("mov.u32 %0, %smid;" : "=r"(ms_sm));
     ms_rec[0] = ms_s; ms_rec[1] = ms_land; ms_rec[2] = ms_loop; ms_rec[3] = ms_e; ms_rec[4] = blockIdx.x;
+    ms_rec[5] = ms_sm;
   }}
 """
     return wgmma_ws.source() + "\n" + _splice(src, tail, record + tail)
@@ -378,10 +381,32 @@ def ws_waits(fmt, m, n, k):
             "end_last_ns": (end.max() - start.min()).item()}
 
 
+def timeline_summary(records: torch.Tensor, calls: int) -> dict:
+    """The last `calls` calls of timeline_source's records [n, 6] (float64, TIMELINE_FIELDS), us from each call's
+    first CTA start: the CTAs' first stages landing (median), their loops' ends (median, last), their ends (last)
+    and the gap to the next call's first CTA, medians over the calls; loop_end_by_sm: per SM (by %smid) the median
+    over the calls of its CTA's loop end and its spread (std) between calls, to tell slow SMs (the same in every
+    call: placement, e.g. crowded GPCs) from slow moments. Calls are told apart by start time (plain launches do
+    not overlap)."""
+    ctas = len(set(records[:, 4].tolist()))
+    r = records[records[:, 0].argsort()][-calls * ctas:]
+    per = r.reshape(calls, ctas, len(TIMELINE_FIELDS))
+    t0 = per[:, :, 0].min(1).values[:, None]
+    rel = lambda c: (per[:, :, c] - t0) / 1e3  # noqa: E731
+    gaps = (per[1:, :, 0].min(1).values - per[:-1, :, 3].max(1).values) / 1e3
+    med = lambda v: v.median().item()  # noqa: E731
+    by_sm = {}
+    for sm, end in zip(per[:, :, 5].flatten().tolist(), rel(2).flatten().tolist()):
+        by_sm.setdefault(int(sm), []).append(end)
+    by_sm = [[sm, round(float(torch.tensor(v).median()), 3), round(float(torch.tensor(v).std()), 3) if len(v) > 1 else 0.0]
+             for sm, v in sorted(by_sm.items())]
+    return {"ctas": ctas, "start_last": med(rel(0).max(1).values), "land_median": med(rel(1).median(1).values),
+            "loop_end_median": med(rel(2).median(1).values), "loop_end_last": med(rel(2).max(1).values),
+            "end_last": med(rel(3).max(1).values), "gap_to_next": med(gaps), "loop_end_by_sm": by_sm}
+
+
 def ws_timeline(fmt, m, n, k, programmatic=False):
-    """Probe 6: per call of a CUDA-graph replay (bench/gemm.py's timing), us from the call's first CTA start: the
-    CTAs' first stages landing (median), their loops' ends (median, last), their ends (last), and the gap to the
-    next call's first CTA; the medians over the replay's calls."""
+    """Probe 6: timeline_summary of decode_ws's calls in a CUDA-graph replay (bench/gemm.py's timing)."""
     call, copies, cfg, head = _ws_case(fmt, m, n, k)
     buf = torch.zeros(1 + (1 << 17), 8, dtype=torch.int64, device="cuda")
     os.environ[launch.PDL_ENV] = "1" if programmatic else "0"
@@ -391,19 +416,9 @@ def ws_timeline(fmt, m, n, k, programmatic=False):
     finally:
         del os.environ[launch.PDL_ENV]
     count = int(buf[0, 0])
-    r = buf[1:1 + count, :len(TIMELINE_FIELDS)].cpu().double()
-    ctas = len(set(r[:, 4].tolist()))
-    calls = max(8, len(copies))
-    r = r[r[:, 0].argsort()][-calls * ctas:]  # the last replay, by start time
-    per = r.reshape(calls, ctas, len(TIMELINE_FIELDS))
-    t0 = per[:, :, 0].min(1).values[:, None]
-    rel = lambda c: (per[:, :, c] - t0) / 1e3  # noqa: E731
-    gaps = (per[1:, :, 0].min(1).values - per[:-1, :, 3].max(1).values) / 1e3
-    med = lambda v: v.median().item()  # noqa: E731
-    return {"op": "ws timeline", **head, "programmatic": programmatic, "us_per_call": us, "ctas": ctas,
-            "start_last": med(rel(0).max(1).values), "land_median": med(rel(1).median(1).values),
-            "loop_end_median": med(rel(2).median(1).values), "loop_end_last": med(rel(2).max(1).values),
-            "end_last": med(rel(3).max(1).values), "gap_to_next": med(gaps)}
+    records = buf[1:1 + count, :len(TIMELINE_FIELDS)].cpu().double()
+    return {"op": "ws timeline", **head, "programmatic": programmatic, "us_per_call": us,
+            **timeline_summary(records, max(8, len(copies)))}
 
 
 def ws_fill(fmt, m, n, k, rings=((4, None), (2, 4), (2, 5), (2, 6), (2, 8)), leads=(1, 2, 99), rounds=2):

@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from microscale.kernels import nvrtc
 from microscale.kernels.sm90 import decode_ws as D
@@ -63,6 +64,7 @@ def test_timeline_source_stamps_four_times_and_appends_by_an_atomic(probe):
     for v in VARIANTS:
         code = sass[compiled.symbols[D.name_expression(*v)]]
         assert code.count("SR_GLOBALTIMERLO") >= 4, D.name_expression(*v)  # start, first stage, loop end, end
+        assert "SR_VIRTUALSMID" in code or "SR_SMID" in code  # the CTA's SM
         assert any(op.startswith(("ATOM", "ATOMG")) for op in nvrtc.sass_opcodes(code))
 
 
@@ -71,6 +73,21 @@ def test_fill_source_waits_for_the_first_stages_before_the_rest(probe, lead):
     text = probe.fill_source(lead)
     assert f"lead = min(first, {lead});" in text
     _build(text)
+
+
+def test_timeline_summary_of_hand_made_records(probe):
+    """Two calls of 2 CTAs (SMs 5 and 9), ns: call 0 starts at 1000, call 1 at 9000; SM 9's loop ends 2 us after
+    SM 5's in both calls."""
+    rows = [(1000, 2000, 5000, 6000, 0, 5), (1100, 2200, 7000, 7500, 1, 9),
+            (9000, 10000, 13000, 13500, 0, 9), (9000, 9600, 11000, 11200, 1, 5)]
+    summary = probe.timeline_summary(torch.tensor(rows, dtype=torch.float64), calls=2)
+    assert summary["ctas"] == 2
+    # torch's median of two values is the lower one: per call the medians (1.0, 0.6) us, then 0.6
+    assert summary["land_median"] == pytest.approx(0.6)
+    assert summary["loop_end_last"] == pytest.approx(4.0)  # per call 6.0 and 4.0
+    assert summary["gap_to_next"] == pytest.approx(1.5)  # 9000 - 7500
+    # SM 5's loop ends at 4.0 and 2.0 us, SM 9's at 6.0 and 4.0: medians 2.0 and 4.0, both moving by std sqrt(2)
+    assert summary["loop_end_by_sm"] == [[5, 2.0, 1.414], [9, 4.0, 1.414]]
 
 
 def test_a_moved_patch_point_is_named(probe):
