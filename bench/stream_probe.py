@@ -398,8 +398,8 @@ def timeline_summary(records: torch.Tensor, calls: int) -> dict:
     by_sm = {}
     for sm, end in zip(per[:, :, 5].flatten().tolist(), rel(2).flatten().tolist()):
         by_sm.setdefault(int(sm), []).append(end)
-    by_sm = [[sm, round(float(torch.tensor(v).median()), 3), round(float(torch.tensor(v).std()), 3) if len(v) > 1 else 0.0]
-             for sm, v in sorted(by_sm.items())]
+    spread = lambda v: torch.tensor(v).std().item() if len(v) > 1 else 0.0  # noqa: E731
+    by_sm = [[sm, round(torch.tensor(v).median().item(), 3), round(spread(v), 3)] for sm, v in sorted(by_sm.items())]
     return {"ctas": ctas, "start_last": med(rel(0).max(1).values), "land_median": med(rel(1).median(1).values),
             "loop_end_median": med(rel(2).median(1).values), "loop_end_last": med(rel(2).max(1).values),
             "end_last": med(rel(3).max(1).values), "gap_to_next": med(gaps), "loop_end_by_sm": by_sm}

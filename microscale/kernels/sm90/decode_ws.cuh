@@ -12,8 +12,9 @@
 // in warp order: small weights give an SM few row groups, and one warp per scheduler leaves the decode's
 // latency exposed. Split-K over the CTAs of a cluster: a CTA sends its partials of the rows a peer stores
 // into the peer's shared memory (st.async, completing a barrier there), where they are summed in rank order;
-// no cluster barrier waits for the slower CTA of the pair but the receiver. With GATED the weight holds gate/up row pairs (kernels/gated.py: rows g and g + 8
-// of a row group, one thread's two accumulator halves) and y gets silu(gate) * up, N / 2 columns.
+// only the receiver waits for them, no cluster barrier for the slower CTA of the pair. With GATED the weight
+// holds gate/up row pairs (kernels/gated.py: rows g and g + 8 of a row group, one thread's two accumulator
+// halves) and y gets silu(gate) * up, N / 2 columns.
 // With NORM (kernels/rmsnorm.py) x is h and the kernel computes y = W rmsnorm(h) * norm_weight: a norm warp
 // takes each stage as it lands, sums the squares of h's rows and multiplies h by norm_weight in place (bf16,
 // as the module rounds it) before the consumers' ready barrier; the epilogue scales the rows by

@@ -62,10 +62,11 @@ class RingConfig:
         warp its ready barriers and block_m row sums (the launch adds its slice of the norm weight); with a split
         the peers' partials (and row sums) that land in this CTA, and their barrier."""
         up16 = lambda b: -(-b // 16) * 16  # noqa: E731
-        end = self.stages * self.stage_bytes(fmt_code) + 16 * self.stages + (8 * self.stages + 4 * self.block_m if norm else 0)
+        row_sums = 4 * self.block_m if norm else 0
+        end = self.stages * (self.stage_bytes(fmt_code) + 16) + (8 * self.stages + row_sums if norm else 0)
         if self.split > 1:
             owned = -(-self.groups // self.split)
-            end = up16(end + 8) + self.split * (owned * 32 * self.block_m * 2 + (4 * self.block_m if norm else 0))
+            end = up16(end + 8) + self.split * (owned * 32 * self.block_m * 2 + row_sums)
         return up16(end) + 1024
 
 
@@ -155,9 +156,8 @@ def threads(cfg: RingConfig, norm: bool = False) -> int:
 def _compiled(variants: tuple) -> nvrtc.CompiledKernels:
     """The kernels of `variant`s; a static_assert per variant keeps smem_bytes equal to the source's
     RingSmem<>::BYTES."""
-    checks = [f"static_assert(ms90::RingSmem<{f}, {c.block_m}, {c.groups}, {c.steps}, {c.stages}, {int(norm)}, {c.split}>"
-              f"::BYTES "
-              f"== {c.smem_bytes(f, norm)}, \"RingConfig.smem_bytes differs from RingSmem::BYTES\");"
+    checks = [f"static_assert(ms90::RingSmem<{f}, {c.block_m}, {c.groups}, {c.steps}, {c.stages}, {int(norm)}, "
+              f"{c.split}>::BYTES == {c.smem_bytes(f, norm)}, \"RingConfig.smem_bytes differs from RingSmem::BYTES\");"
               for f, c, _, norm, _ in variants]
     return nvrtc.compile_kernels(tuple(name_expression(*v) for v in variants),
                                  source=source() + "\n" + "\n".join(checks) + "\n", label=SOURCE_PATH.name, arch=ARCH)
