@@ -246,8 +246,8 @@ def waits_source(buffer_address: int) -> str:
     (the ramp, inside consumer_wait), and the producer's %globaltimer at the init and at the end of its loop."""
     from microscale.kernels.sm90 import decode_ws, wgmma_ws
     src = decode_ws.SOURCE_PATH.read_text()
-    timed = lambda line: ("{ const long long ms_a = clock64();\n" + line + "const long long ms_d = clock64() - ms_a;\n"  # noqa: E731
-                          "ms_wait += ms_d;\nif (i == 0) ms_first = ms_d; }\n")
+    after = "const long long ms_d = clock64() - ms_a;\nms_wait += ms_d;\nif (i == 0) ms_first = ms_d; }\n"
+    timed = lambda line: "{ const long long ms_a = clock64();\n" + line + after  # noqa: E731
     init = "  init_ring_barriers(full, empty, STAGES, CONSUMERS);\n"
     src = _splice(src, init, init + "  const long long ms_t0 = clock64();\n  long long ms_wait = 0, ms_first = 0;\n"
                   "  unsigned long long ms_g0;\n  asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(ms_g0));\n")
