@@ -283,6 +283,36 @@ def test_static_decoder_with_the_attention_kernel_interpreted(seed):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
 
 
+def _first_argmax(row: list) -> int:
+    """The index argmax's contract names, by a plain loop: the first NaN, else the first of the largest values."""
+    nan = [i for i, v in enumerate(row) if v != v]
+    if nan:
+        return nan[0]
+    best = max(row)
+    return row.index(best)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1024, 1025, 3000, 128256])
+def test_greedy_tokens_is_the_first_argmax(e2e, seed, vocab):
+    """Two-stage argmax (chunks of ARGMAX_CHUNK, the last one padded with -inf) against a loop over each row, on
+    random logits with planted ties across chunks, a NaN, an all -inf row and rows of one repeated value; eager
+    and compiled as the decode step is."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, vocab, generator=g).to(torch.bfloat16)
+    if vocab > 1:
+        top = logits[1].max()
+        logits[1, vocab - 1] = top  # a tie in a later chunk: the earlier index wins
+        logits[1, int(torch.randint(0, vocab - 1, (1,), generator=g))] = top
+        logits[2, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
+    logits[3] = float("-inf")
+    logits[4] = 0.5
+    logits[5] = logits[5] * 1e30 if vocab > 1 else logits[5]
+    want = torch.tensor([[_first_argmax(row)] for row in logits.float().tolist()])
+    assert torch.equal(e2e.greedy_tokens(logits), want)
+    if vocab in (1025, 3000):
+        assert torch.equal(torch.compile(e2e.greedy_tokens, fullgraph=True, dynamic=False)(logits), want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programmatic", [False, True])
 def test_glue_in_the_gemms_of_a_llama_8b_layer_gpu(seed, e2e, programmatic):
