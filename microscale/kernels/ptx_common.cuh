@@ -49,12 +49,16 @@ __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
 }
 
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n .reg .pred P;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
-      " @!P bra WAIT_%=;\n}" :: "r"(bar), "r"(parity) : "memory");
-}
+// Waits for the barrier's phase `parity` to complete. The default acquire is CTA-scoped (TMA copies, this CTA's
+// arrivals); mbar_wait_cluster acquires at cluster scope, for bytes another CTA of the cluster stored (st.async,
+// whose complete-tx releases at cluster scope).
+#define MS_MBAR_WAIT(SEM)                                                                      \
+  asm volatile("{\n .reg .pred P;\n WAIT_%=:\n"                                              \
+               " mbarrier.try_wait.parity" SEM ".shared::cta.b64 P, [%0], %1;\n"               \
+               " @!P bra WAIT_%=;\n}" :: "r"(bar), "r"(parity) : "memory")
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) { MS_MBAR_WAIT(""); }
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) { MS_MBAR_WAIT(".acquire.cluster"); }
+#undef MS_MBAR_WAIT
 
 // A CUtensorMap passed by value (nvrtc.pack_params): as a `const __grid_constant__` kernel parameter it lives
 // in the constant bank, the TMA reads it there by its generic address, and a CUDA graph's launch node holds

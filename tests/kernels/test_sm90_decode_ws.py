@@ -63,9 +63,11 @@ def test_sass_holds_the_ring(build, fmt, cfg):
         assert op in code, op
     if cfg.split > 1:  # partials sent into the peers' shared memory (st.async), one cluster barrier for the init
         assert code.count("UCGABAR_ARV") == 1 and "UCGABAR_WAIT" in code and "STAS.128" in code
+        # the receive barrier's wait acquires at cluster scope: an L1 invalidate beside the cluster barrier's
+        assert code.count("CCTL.IVALL") >= 2
         assert "LD.E.128" not in code  # nothing read from a peer's shared memory
     else:
-        assert "UCGABAR_ARV" not in code
+        assert "UCGABAR_ARV" not in code and "CCTL.IVALL" not in code
     res = resources[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg)]]
     assert res.get("LOCAL", 0) == 0 and res["REG"] * cfg.threads <= 65536, res
 

@@ -363,7 +363,7 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     }
     mine = stores;
     if (mine) {
-      mbar_wait(recv_bar, 0);
+      mbar_wait_cluster(recv_bar, 0);
       const u32 slots = recv + ((warp / SPLIT) * 32 + lane) * (4 * L::ACC);
 #pragma unroll
       for (int i = 0; i < L::ACC; i += 4) {
