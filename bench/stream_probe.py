@@ -234,6 +234,10 @@ def _ws_sources():
                                x, x + "        if (i >= STAGES) return;\n")}
 
 
+# a PTX statement storing %globaltimer (ns) in the named unsigned long long, for the patched sources below
+STAMP = 'asm volatile("mov.u64 %0, %globaltimer;" : "=l"({}));\n'.format
+
+
 WAIT_FIELDS = ("producer_wait", "producer_span", "consumer_wait", "consumer_span", "consumer_warps", "consumer_first",
                "start_ns", "end_ns")
 
@@ -250,7 +254,7 @@ def waits_source(buffer_address: int) -> str:
     timed = lambda line: "{ const long long ms_a = clock64();\n" + line + after  # noqa: E731
     init = "  init_ring_barriers(full, empty, STAGES, CONSUMERS);\n"
     src = _splice(src, init, init + "  const long long ms_t0 = clock64();\n  long long ms_wait = 0, ms_first = 0;\n"
-                  "  unsigned long long ms_g0;\n  asm volatile(\"mov.u64 %0, %globaltimer;\" : \"=l\"(ms_g0));\n")
+                  "  unsigned long long ms_g0;\n  " + STAMP("ms_g0"))
     for line in ("        mbar_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);\n",
                  "      mbar_wait((NORM ? ready : full) + 8 * stage, phase);\n"):
         src = _splice(src, line, timed(line))
@@ -260,8 +264,7 @@ def waits_source(buffer_address: int) -> str:
     const unsigned long long ms_span = clock64() - ms_t0;
     if (warp == CONSUMERS) {{
       unsigned long long ms_g1;
-      asm volatile("mov.u64 %0, %globaltimer;" : "=l"(ms_g1));
-      ms_slot[0] = ms_wait;
+      {STAMP("ms_g1")}      ms_slot[0] = ms_wait;
       ms_slot[1] = ms_span;
       ms_slot[6] = ms_g0;
       ms_slot[7] = ms_g1;
@@ -285,16 +288,15 @@ def timeline_source(buffer_address: int) -> str:
     instruction, its first stage landing, the end of its K loop, its last instruction, its index and its SM."""
     from microscale.kernels.sm90 import decode_ws, wgmma_ws
     src = decode_ws.SOURCE_PATH.read_text()
-    stamp = 'asm volatile("mov.u64 %0, %globaltimer;" : "=l"({}));\n'.format
     head = "  using L = RingSmem<FMT, BM, RGS, STEPS, STAGES, NORM, SPLIT>;\n"
-    src = _splice(src, head, head + "  unsigned long long ms_s, ms_land = 0, ms_loop = 0, ms_e;\n  " + stamp("ms_s"))
+    src = _splice(src, head, head + "  unsigned long long ms_s, ms_land = 0, ms_loop = 0, ms_e;\n  " + STAMP("ms_s"))
     wait = "      mbar_wait((NORM ? ready : full) + 8 * stage, phase);\n"
-    src = _splice(src, wait, wait + "      if (i == 0 && threadIdx.x == 0) " + stamp("ms_land"))
+    src = _splice(src, wait, wait + "      if (i == 0 && threadIdx.x == 0) " + STAMP("ms_land"))
     release = "  release_dependents();  // what is left"
-    src = _splice(src, release, "  if (threadIdx.x == 0) " + stamp("ms_loop") + release)
+    src = _splice(src, release, "  if (threadIdx.x == 0) " + STAMP("ms_loop") + release)
     tail = "}\n\n}  // namespace ms90"  # the kernel's end
     record = f"""  if (threadIdx.x == 0) {{
-    {stamp("ms_e")}    unsigned long long* ms_buf = (unsigned long long*){buffer_address}ull;
+    {STAMP("ms_e")}    unsigned long long* ms_buf = (unsigned long long*){buffer_address}ull;
     unsigned long long* ms_rec = ms_buf + 8ull * (1ull + atomicAdd(ms_buf, 1ull));
     unsigned ms_sm;
     asm volatile("mov.u32 %0, %smid;" : "=r"(ms_sm));
