@@ -28,8 +28,8 @@
    would say the ring, not either side, loses the time. Also each CTA's first-stage wait alone (the ramp) and the
    spread of the CTAs' starts and loop ends (%globaltimer).
 6. (--probe ws-timeline) decode_ws with %globaltimer stamps per CTA (timeline_source) under bench/gemm.py's timing:
-   per call, when the first stage lands, the loops and the CTAs end, and the gap to the next call; plain and
-   programmatic launches.
+   per call, when the first stage lands, the loops and the CTAs end, and the gap to the next call; under
+   programmatic launches (the calls overlap) only the time per call.
 7. (--probe ws-fill) decode_ws with the first ring fill `lead` stages ahead (fill_source) on several ring shapes.
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
@@ -417,10 +417,12 @@ def ws_timeline(fmt, m, n, k, programmatic=False):
             us = gemm._time_graph(call, copies)
     finally:
         del os.environ[launch.PDL_ENV]
+    rec = {"op": "ws timeline", **head, "programmatic": programmatic, "us_per_call": us}
+    if programmatic:  # the calls overlap: start times no longer tell them apart (timeline_summary)
+        return rec
     count = int(buf[0, 0])
     records = buf[1:1 + count, :len(TIMELINE_FIELDS)].cpu().double()
-    return {"op": "ws timeline", **head, "programmatic": programmatic, "us_per_call": us,
-            **timeline_summary(records, max(8, len(copies)))}
+    return {**rec, **timeline_summary(records, max(8, len(copies)))}
 
 
 def ws_fill(fmt, m, n, k, rings=((4, None), (2, 4), (2, 5), (2, 6), (2, 8)), leads=(1, 2, 99), rounds=2):
