@@ -112,18 +112,21 @@ def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
 
 def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
     """Whether this kernel (ring_config's tiling) runs M <= 16 faster than the Triton decode kernel: FP4 wherever
-    the tiling fills the SMs (fills), MXFP8 from M = 8.
+    the tiling fills the SMs (fills), MXFP8 from M = 8 and below it where the tiling splits K.
     - FP4 (session 28, bench/results/sweep_h200.json run 28d, the two kernels interleaved, plain and programmatic
       launches): with the split-K partials sent by st.async, decode_ws is faster at M = 1-16 on 8192x8192,
       8192x28672, 6144x4096, 28672x4096 and 28672x8192, NVFP4 and MXFP4 (M = 1: 1-6% plain, 6-23% programmatic;
       M = 8: 7-16% plain, 10-31% programmatic); on 4096x14336 programmatic 1-21% faster, plain level to 2.5% slower
       at M = 1-2 and level at M = 16.
-    - MXFP8 from M = 8 (session 18, run 18f: 4096x4096 M = 8 10.1 -> 8.8 us; at M = 1-4 the Triton kernel, 8
-      programs per SM with one tile in flight, is up to 8% faster on the large weights).
+    - MXFP8 from M = 8 (session 18, run 18f: 4096x4096 M = 8 10.1 -> 8.8 us). At M = 1-4 (session 29, runs
+      29c/29d, the same A/B): on the split-2 tilings (4096x4096, 6144x4096, 4096x14336) decode_ws is level to 11%
+      faster plain and 7-27% faster programmatic (M = 1 4096x4096 8.51 -> 7.94 us plain); on the split-1 ones
+      (8192x8192, 28672x4096, 28672x8192, 8192x28672) the Triton kernel, 8 programs per SM with one tile in
+      flight, is level to 9% faster plain.
     Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
     if m > MAX_M or not fills(ring_config(m, n, k, fmt_code, sms), n, k, sms):
         return False
-    return m >= 8 if fmt_code == 2 else True
+    return m >= 8 or ring_config(m, n, k, fmt_code, sms).split > 1 if fmt_code == 2 else True
 
 
 def fusions(m: int) -> frozenset:
