@@ -238,6 +238,9 @@ def test_ring_wins_where_measured():
     assert all(ms == [1, 2, 8, 9, 16] for (f, _, _), ms in wins.items() if f != "mxfp8")  # FP4: wherever it fills
     # MXFP8: from M = 8, and below where the tiling splits K (the weights of 4096 rows and 6144x4096)
     assert all(ms == ([1, 2, 8, 9, 16] if n <= 6144 else [8, 9, 16]) for (f, n, _), ms in wins.items() if f == "mxfp8")
+    # with a norm in front MXFP8 takes it at every M it fills (the norm warp saves the norm kernel)
+    assert all(D.ring_wins(FMT_CODE["mxfp8"], m, n, k, norm=True) for m in (1, 2, 4)
+               for n, k in ((28672, 8192), (8192, 8192), (28672, 4096)))
     assert not D.ring_wins(FMT_CODE["nvfp4"], 17, 28672, 8192)  # M <= 16 only
     assert not D.ring_wins(FMT_CODE["nvfp4"], 16, 512, 512)  # 4 CTAs: most SMs idle
     assert not D.ring_wins(FMT_CODE["mxfp8"], 16, 28672, 8192, sms=2048)  # at most 896 CTAs (4 groups, split 2)

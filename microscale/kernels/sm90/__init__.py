@@ -13,7 +13,7 @@ unprepare: its inverse (layout.unshuffle_weights; bit-exact for what our quantiz
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
     "decode_ws" bf16 activations, sm_90, M <= 16 where decode_ws.ring_wins (the weight's size, format and
-              M): a TMA producer warp streams weight stages into a shared-memory ring, one or two consumer
+              M, and for MXFP8 whether the call carries a norm): a TMA producer warp streams weight stages into a shared-memory ring, one or two consumer
               warps per 16 rows dequantize into mma.sync (decode_ws.py)
     "decode"  M <= DECODE_MAX_M otherwise, except at M = 9-32 where launch.wgmma_beats_decode: dequantize in
               registers into mma.sync (decode.py)
@@ -65,6 +65,7 @@ WS_MIN_M = 65
 WS_MAX_M = 4096
 KERNELS = ("decode_ws", "decode", "wgmma", "wgmma_ws", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
+NORM_QUERY = ("any norm weight", 0.0)  # fusions: options["rms_norm"] of a call that carries a norm
 
 
 SELFTEST_PAIRS = (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"))  # (activations, weights)
@@ -90,7 +91,8 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
     """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins.
     dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90, FP8 sm_89);
     n, k: the weight's shape; tma_ready: whether the TMA kernels can take these activations
-    (wgmma_ws.supports); sms: the device's SM count (decode_ws's tiling)."""
+    (wgmma_ws.supports); sms: the device's SM count (decode_ws's tiling). options["rms_norm"] set (to anything
+    but None) says the call carries a norm, which can tip the choice to decode_ws (ring_wins)."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
     wgmma_ready = dtype == torch.bfloat16 and cc[0] == 9
     if forced == "decode_ws" and m > decode_ws.MAX_M:
@@ -106,7 +108,8 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
         kernel = forced
     elif options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
         kernel = "fp8"
-    elif wgmma_ready and tma_ready and decode_ws.ring_wins(FMT_CODE[fmt], m, n, k, sms):
+    elif wgmma_ready and tma_ready and decode_ws.ring_wins(FMT_CODE[fmt], m, n, k, sms,
+                                                           norm=options.get("rms_norm") is not None):
         kernel = "decode_ws"
     elif m <= DECODE_MAX_M and not (wgmma_ready and paths.wgmma_beats_decode(FMT_CODE[fmt], m, n, k)):
         kernel = "decode"
@@ -135,11 +138,15 @@ def _kernel_fusions(kernel: str, m: int) -> frozenset:
 
 
 def fusions(fmt: str, m: int, n: int, k: int, device, options: dict = None) -> frozenset:
-    """Which of rmsnorm.FUSIONS the kernel for bf16 x [m, k] (contiguous) and an [n, k] weight applies itself."""
+    """Which of rmsnorm.FUSIONS the kernel for bf16 x [m, k] (contiguous) and an [n, k] weight applies itself: the
+    norm where the kernel of a call carrying it takes it, the residual where the kernel of any call does (a norm
+    can change the choice, the residual does not)."""
     tma_ready = (k * 2) % 16 == 0 and wgmma_ws.have_cuda_python()
-    kernel = _device_kernel(get_format(fmt).name, m, n, k, options or {}, torch.bfloat16, torch.device(device),
-                            tma_ready)
-    return _kernel_fusions(kernel, m)
+    options, device = {**(options or {}), "rms_norm": None}, torch.device(device)
+    plain = _device_kernel(get_format(fmt).name, m, n, k, options, torch.bfloat16, device, tma_ready)
+    normed = _device_kernel(get_format(fmt).name, m, n, k, {**options, "rms_norm": NORM_QUERY}, torch.bfloat16,
+                            device, tma_ready)
+    return (_kernel_fusions(plain, m) & {"residual"}) | (_kernel_fusions(normed, m) & {"rms_norm"})
 
 
 def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):

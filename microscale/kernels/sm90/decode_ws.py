@@ -110,9 +110,10 @@ def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
     return MIN_FILL * sms <= ctas <= sms
 
 
-def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
+def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool = False) -> bool:
     """Whether this kernel (ring_config's tiling) runs M <= 16 faster than the Triton decode kernel: FP4 wherever
-    the tiling fills the SMs (fills), MXFP8 from M = 8 and below it where the tiling splits K.
+    the tiling fills the SMs (fills), MXFP8 from M = 8 and below it where the tiling splits K or the call carries
+    an RMSNorm (norm), which the norm warp takes and the Triton kernel leaves to a kernel of its own.
     - FP4 (session 28, bench/results/sweep_h200.json run 28d, the two kernels interleaved, plain and programmatic
       launches): with the split-K partials sent by st.async, decode_ws is faster at M = 1-16 on 8192x8192,
       8192x28672, 6144x4096, 28672x4096 and 28672x8192, NVFP4 and MXFP4 (M = 1: 1-6% plain, 6-23% programmatic;
@@ -122,11 +123,12 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
       29c/29d, the same A/B): on the split-2 tilings (4096x4096, 6144x4096, 4096x14336) decode_ws is level to 11%
       faster plain and 7-27% faster programmatic (M = 1 4096x4096 8.51 -> 7.94 us plain); on the split-1 ones
       (8192x8192, 28672x4096, 28672x8192, 8192x28672) the Triton kernel, 8 programs per SM with one tile in
-      flight, is level to 9% faster plain.
+      flight, is level to 9% faster plain. With the norm in front, in the Llama-8B step (bench/e2e.py, (e) MXFP8
+      batch 1, run 29e): gate/up (28672x4096) on decode_ws 2.559 / 2.560 -> 2.448 / 2.447 ms.
     Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
     if m > MAX_M or not fills(ring_config(m, n, k, fmt_code, sms), n, k, sms):
         return False
-    return m >= 8 or ring_config(m, n, k, fmt_code, sms).split > 1 if fmt_code == 2 else True
+    return m >= 8 or norm or ring_config(m, n, k, fmt_code, sms).split > 1 if fmt_code == 2 else True
 
 
 def fusions(m: int) -> frozenset:
