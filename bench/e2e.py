@@ -525,7 +525,8 @@ def markdown(results: dict) -> str:
         f"rows whose run records `glue_in_gemms`, from session 25 on; before and for bf16: Inductor's add + norm "
         f"kernels), its GPU time per class from a profile of {PROFILED_REPLAYS} replays (linear includes lm_head) and idle = step - "
         f"kernel time; (e) (d) with programmatic dependent launches (Inductor's kernels and microscale's decode "
-        f"kernels; (d) has them off; cuBLAS uses none); "
+        f"kernels; (d) has them off; cuBLAS uses none); the greedy token by `greedy_tokens`' two-stage argmax in "
+        f"runs from session 29 on (before: one argmax reduction per row); "
         f"weights: parameters + buffers resident; peak: allocated during (b)-(e); '-': not measured.",
         "",
         "| format | batch | backend | weights GiB (Linears in format) | (b) graph ms/step | (b) x bf16 "

@@ -123,8 +123,9 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool 
       29c/29d, the same A/B): on the split-2 tilings (4096x4096, 6144x4096, 4096x14336) decode_ws is level to 11%
       faster plain and 7-27% faster programmatic (M = 1 4096x4096 8.51 -> 7.94 us plain); on the split-1 ones
       (8192x8192, 28672x4096, 28672x8192, 8192x28672) the Triton kernel, 8 programs per SM with one tile in
-      flight, is level to 9% faster plain. With the norm in front, in the Llama-8B step (bench/e2e.py, (e) MXFP8
-      batch 1, run 29e): gate/up (28672x4096) on decode_ws 2.559 / 2.560 -> 2.448 / 2.447 ms.
+      flight, is level to 9% faster plain (programmatic: from 7% faster to 10% slower). With the norm in front
+      decode_ws saves the norm kernel: the Llama-8B MXFP8 batch-1 step (bench/e2e.py way (e), run 29e) with
+      gate/up (28672x4096) on decode_ws 2.559 / 2.560 -> 2.448 / 2.447 ms.
     Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
     if m > MAX_M or not fills(ring_config(m, n, k, fmt_code, sms), n, k, sms):
         return False
