@@ -13,8 +13,9 @@ unprepare: its inverse (layout.unshuffle_weights; bit-exact for what our quantiz
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
     "decode_ws" bf16 activations, sm_90, M <= 16 where decode_ws.ring_wins (the weight's size, format and
-              M, and for MXFP8 whether the call carries a norm): a TMA producer warp streams weight stages into a shared-memory ring, one or two consumer
-              warps per 16 rows dequantize into mma.sync (decode_ws.py)
+              M, and for MXFP8 whether the call carries a norm): a TMA producer warp streams weight stages
+              into a shared-memory ring, one or two consumer warps per 16 rows dequantize into mma.sync
+              (decode_ws.py)
     "decode"  M <= DECODE_MAX_M otherwise, except at M = 9-32 where launch.wgmma_beats_decode: dequantize in
               registers into mma.sync (decode.py)
     "wgmma"   M <= WS_MIN_M - 1 (and M = 9-32 as above), bf16 activations, sm_90: dequantize per K
