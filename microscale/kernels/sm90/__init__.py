@@ -143,10 +143,9 @@ def fusions(fmt: str, m: int, n: int, k: int, device, options: dict = None) -> f
     norm where the kernel of a call carrying it takes it, the residual where the kernel of any call does (a norm
     can change the choice, the residual does not)."""
     tma_ready = (k * 2) % 16 == 0 and wgmma_ws.have_cuda_python()
-    options, device = {**(options or {}), "rms_norm": None}, torch.device(device)
-    plain = _device_kernel(get_format(fmt).name, m, n, k, options, torch.bfloat16, device, tma_ready)
-    normed = _device_kernel(get_format(fmt).name, m, n, k, {**options, "rms_norm": NORM_QUERY}, torch.bfloat16,
-                            device, tma_ready)
+    name, device, options = get_format(fmt).name, torch.device(device), {**(options or {}), "rms_norm": None}
+    plain = _device_kernel(name, m, n, k, options, torch.bfloat16, device, tma_ready)
+    normed = _device_kernel(name, m, n, k, {**options, "rms_norm": NORM_QUERY}, torch.bfloat16, device, tma_ready)
     return (_kernel_fusions(plain, m) & {"residual"}) | (_kernel_fusions(normed, m) & {"rms_norm"})
 
 
