@@ -90,9 +90,13 @@ def test_driver_tiny_on_cpu(e2e, tmp_path):
     e2e.write_markdown_section(str(md), e2e.MARKERS[0] + "\nnew\n" + e2e.MARKERS[1])  # replaced, not appended
     assert md.read_text().count(e2e.MARKERS[0]) == 1 and "\nnew\n" in md.read_text()
 
-    # --merge: a later run adds its ways to the rows of the same format and batch, keeps the others
-    e2e.main(common + ["--formats", "nvfp4", "--batches", "2", "--ways", "graph", "--merge"])
+    # --merge: a later run adds its ways to the rows of the same format and batch, keeps the others (and the notes)
+    first = json.loads(out.read_text())
+    first["env"]["notes"] = ["a note on the rows"]
+    out.write_text(json.dumps(first))
+    e2e.main(common + ["--formats", "nvfp4", "--batches", "2", "--ways", "graph", "--merge", "--markdown", str(md)])
     merged = json.loads(out.read_text())
+    assert merged["env"]["notes"] == ["a note on the rows"] and "\n- a note on the rows\n" in md.read_text()
     assert [(r["format"], r["batch"]) for r in merged["rows"]] == [(r["format"], r["batch"]) for r in rows]
     assert merged["rows"][3]["generate"] == rows[3]["generate"] and merged["rows"][:3] == rows[:3]
     assert merged["rows"][3]["graph"] != rows[3]["graph"] and len(merged["env"]["runs"]) == 2
