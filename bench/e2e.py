@@ -556,9 +556,10 @@ def markdown(results: dict) -> str:
                   for how in ("graph", "compiled-graph", "fused", "fused-pdl") if r.get(how, {}).get("tokens_equal_eager") is False]
     if mismatched:
         lines += ["", f"Graph replay tokens differ from eager for: {', '.join(mismatched)}."]
-    lines += [""] + [f"- {note}" for note in e.get("notes", [])] + ([""] if e.get("notes") else [])
-    lines += ["Runs merged into this table (JSON: `bench/results/e2e_h200.json`): "
-              + "; ".join(e.get("runs", [e["date"]])) + ".", "", MARKERS[1]]
+    notes = [f"- {note}" for note in e.get("notes", [])]  # written into the JSON by hand, kept by --merge
+    runs = "; ".join(e.get("runs", [e["date"]]))
+    lines += [""] + notes + ([""] if notes else [])
+    lines += [f"Runs merged into this table (JSON: `bench/results/e2e_h200.json`): {runs}.", "", MARKERS[1]]
     return "\n".join(lines)
 
 
@@ -623,8 +624,7 @@ def main(argv=None):
             raise SystemExit(f"--merge: {args.out} was measured with another configuration: {old['config']}")
         results["rows"] = old["rows"]
         results["env"]["runs"] = old["env"].get("runs", [old["env"]["date"]])
-        if old["env"].get("notes"):  # what a reader needs beside the rows, written into the JSON by hand
-            results["env"]["notes"] = old["env"]["notes"]
+        results["env"]["notes"] = old["env"].get("notes", [])
     command = (("TORCHINDUCTOR_ENABLE_PDL=1 " if inductor_pdl else "") + "bench/e2e.py "
                + " ".join(argv if argv is not None else sys.argv[1:]))
     results["env"]["runs"] = results["env"].get("runs", []) + [f"{results['env']['date'][:19]}: `{command}`"]
