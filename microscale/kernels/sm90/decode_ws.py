@@ -127,10 +127,12 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool 
       decode_ws saves the norm kernel: the Llama-8B MXFP8 batch-1 step (bench/e2e.py way (e), run 29e) with
       gate/up (28672x4096) on decode_ws 2.559 / 2.560 -> 2.448 / 2.447 ms.
     Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
-    cfg = ring_config(m, n, k, fmt_code, sms)
-    if m > MAX_M or not fills(cfg, n, k, sms):
+    if m > MAX_M:
         return False
-    return m >= 8 or norm or cfg.split > 1 if fmt_code == 2 else True
+    cfg = ring_config(m, n, k, fmt_code, sms)
+    if not fills(cfg, n, k, sms):
+        return False
+    return fmt_code != 2 or m >= 8 or norm or cfg.split > 1
 
 
 def fusions(m: int) -> frozenset:
