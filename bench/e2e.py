@@ -6,8 +6,10 @@
 The model is built from a transformers LlamaConfig with Llama-3-8B's shapes and random weights, once
 per format (the same seed), quantized with quantize_model (decoder Linears; lm_head and embeddings
 stay bf16, its default; a format "<format>+lm_head", e.g. nvfp4+lm_head, quantizes lm_head too, as some
-deployments do: at batch 1 the bf16 lm_head is about a tenth of the NVFP4 step). Per format and batch size,
-in one process:
+deployments do: at batch 1 the bf16 lm_head is about a tenth of the NVFP4 step). Each format runs in a
+process of its own on a GPU (--processes): measured after another format in the same process, a step was
+slower (session 31, H200, way (e) batch 1: bf16 4.339 ms alone, 4.483 after NVFP4; NVFP4 1.741 alone, 1.748
+after bf16; the cause was not found). Per format and batch size:
 
 (a) generate: what users run. transformers `generate`, greedy, static cache, compiled decode
     (CompileConfig(fullgraph=True, mode="reduce-overhead")). Time per decode step = median gap
@@ -57,7 +59,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -480,6 +484,22 @@ def run_format(config, fmt, device, batches, args) -> list:
     return rows
 
 
+def run_format_in_process(fmt, args) -> list:
+    """run_format in a fresh Python process (this script with the same options, one format), its rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--formats", fmt, "--batches", *map(str, args.batches),
+               "--ways", *args.ways, "--attention", args.attention, "--glue", args.glue, "--prompt", str(args.prompt),
+               "--new-tokens", str(args.new_tokens), "--steps", str(args.steps), "--device", args.device,
+               "--processes", "one", "--out", out]
+        cmd += (["--layers", str(args.layers)] if args.layers else []) + (["--tiny"] if args.tiny else [])
+        done = subprocess.run(cmd)
+        if done.returncode:
+            raise SystemExit(f"e2e: the process measuring {fmt} exited with {done.returncode}: {' '.join(cmd)}")
+        with open(out) as fh:
+            return json.load(fh)["rows"]
+
+
 def merge_rows(rows: list, new: list) -> None:
     """Add the ways measured in `new` to the rows of the same format and batch (a later measurement of
     the same way replaces the earlier one)."""
@@ -597,6 +617,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=100, help="(b): timed graph replays")
     p.add_argument("--tiny", action="store_true", help="a tiny config: checks the logic on any device")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--processes", choices=("per-format", "one"), default=None,
+                   help="measure each format in a fresh process (the default on a GPU), or all in this one")
     p.add_argument("--out", default="bench/results/e2e_h200.json")
     p.add_argument("--merge", action="store_true",
                    help="add to the rows of the existing --out file (a run per format or way fits a time limit)")
@@ -629,8 +651,10 @@ def main(argv=None):
                + " ".join(argv if argv is not None else sys.argv[1:]))
     results["env"]["runs"] = results["env"].get("runs", []) + [f"{results['env']['date'][:19]}: `{command}`"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    processes = args.processes or ("per-format" if torch.device(args.device).type == "cuda" else "one")
     for fmt in args.formats:
-        merge_rows(results["rows"], run_format(config, fmt, args.device, args.batches, args))
+        merge_rows(results["rows"], run_format_in_process(fmt, args) if processes == "per-format"
+                   else run_format(config, fmt, args.device, args.batches, args))
         add_speedups(results["rows"])
         with open(args.out, "w") as fh:  # after every format: partial results survive a time limit
             json.dump(results, fh, indent=1)

@@ -104,6 +104,24 @@ def test_driver_tiny_on_cpu(e2e, tmp_path):
         e2e.main(common + ["--formats", "bf16", "--batches", "1", "--ways", "graph", "--merge", "--layers", "1"])
 
 
+
+def test_formats_in_processes_on_cpu(e2e, tmp_path, monkeypatch):
+    """--processes per-format (the default on a GPU): a fresh process of the script measures each format, and
+    the parent merges their rows and computes the speed-ups across them."""
+    out = tmp_path / "e2e.json"
+    argv = ["--tiny", "--device", "cpu", "--steps", "2", "--batches", "1", "--ways", "graph",
+            "--processes", "per-format", "--out", str(out)]
+    e2e.main(argv + ["--formats", "bf16", "mxfp4"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["format"], r["batch"]) for r in rows] == [("bf16", 1), ("mxfp4", 1)]
+    bf16, mxfp4 = rows[0]["graph"], rows[1]["graph"]
+    assert mxfp4["tokens_equal_eager"] is None and mxfp4["ms_per_step"] > 0  # measured (a CPU loop has no graph)
+    assert mxfp4["speedup_vs_bf16"] == pytest.approx(bf16["ms_per_step"] / mxfp4["ms_per_step"])
+    assert rows[1]["backend"] == "reference" and rows[1]["weight_gib"] < rows[0]["weight_gib"]
+    monkeypatch.setattr(e2e.sys, "executable", "false")  # a process that fails names its format
+    with pytest.raises(SystemExit, match="the process measuring nvfp4 exited with 1"):
+        e2e.main(argv + ["--formats", "nvfp4"])
+
 def test_compiled_step_matches_eager_on_cpu(seed, e2e):
     """(c) compiled-graph: the compiled step computes what the eager one does (inductor on the CPU here;
     on the H200 the compiled step is then captured as the graph)."""
