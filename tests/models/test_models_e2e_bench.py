@@ -104,7 +104,6 @@ def test_driver_tiny_on_cpu(e2e, tmp_path):
         e2e.main(common + ["--formats", "bf16", "--batches", "1", "--ways", "graph", "--merge", "--layers", "1"])
 
 
-
 def test_formats_in_processes_on_cpu(e2e, tmp_path, monkeypatch):
     """--processes per-format (the default on a GPU): a fresh process of the script measures each format, and
     the parent merges their rows and computes the speed-ups across them."""
@@ -121,6 +120,7 @@ def test_formats_in_processes_on_cpu(e2e, tmp_path, monkeypatch):
     monkeypatch.setattr(e2e.sys, "executable", "false")  # a process that fails names its format
     with pytest.raises(SystemExit, match="the process measuring nvfp4 exited with 1"):
         e2e.main(argv + ["--formats", "nvfp4"])
+
 
 def test_compiled_step_matches_eager_on_cpu(seed, e2e):
     """(c) compiled-graph: the compiled step computes what the eager one does (inductor on the CPU here;
