@@ -12,9 +12,15 @@ the GEMM before it under a programmatic launch (NVFP4 step at batch 1: 2.110 -> 
 releases the GEMM after it (o_proj) at its start: the 8 programs of batch 1 leave the other SMs free, where
 o_proj's CTAs start and load their first weight stages while attention runs (session 25: a per-CTA timeline
 showed o_proj entering only 0.5 us before attention ended; step 1.95 -> 1.91 ms, run 25e).
-No split over positions: meant for the benchmark's contexts of a few hundred tokens (at batch 1 only 8
-programs run, so long contexts would want a split-KV kernel). 8 warps per program: issue-bound at 4 (one warp
-per scheduler); step 1.913 -> 1.879 ms at 8, 16 warps or 32 / 128 positions per trip no faster (run 25f).
+8 warps per program: issue-bound at 4 (one warp per scheduler); step 1.913 -> 1.879 ms at 8, 16 warps or 32 /
+128 positions per trip no faster (run 25f), nor two blocks of 64 in flight (run 32a).
+Long caches split their positions: at batch 1 only 8 programs run, each looping over every cached position
+(the NVFP4 step from position 1024 took 2.34 ms against 1.69 from position 16, run 32a). A cache of more than
+SPLIT_POSITIONS slots runs `splits` programs per KV head (attention_splits), each over its share of whole blocks
+of the positions below pos; each stores its unnormalized output, running maximum and sum, and the last of them
+to take a ticket merges the others'. The split count follows the cache's length, which a captured graph fixes,
+not pos, which moves on the device; short caches keep one program and no workspace (splitting the benchmark's
+short contexts over up to 64 programs made the step slower, session 30).
 """
 
 import math
@@ -24,6 +30,12 @@ import triton
 import triton.language as tl
 
 BLOCK_N, NUM_WARPS = 64, 8  # cached positions per loop trip; warps per program
+SPLIT_POSITIONS, MAX_SPLITS = 256, 16  # cache slots per program of a KV head, at most this many programs
+
+
+def attention_splits(cache_len: int) -> int:
+    """Programs per (sequence, KV head) for a cache of cache_len positions."""
+    return max(1, min(MAX_SPLITS, -(-cache_len // SPLIT_POSITIONS)))
 
 
 @triton.jit
@@ -35,12 +47,13 @@ def _rotate(ptr, d, partner, sign, cos, sin, mask):
 
 
 @triton.jit
-def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
+def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O, PARTS, TICKETS,
                             stride_qkv, stride_cache_b, stride_cache_h, stride_cache_l, stride_o, sm_scale,
                             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     if PDL:  # the next GEMM's CTAs start now and load their first weights while this kernel runs
         tl.extra.cuda.gdc_launch_dependents()
     G: tl.constexpr = HQ // HKV
@@ -55,8 +68,16 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
     pos = tl.load(POS)
     cos = tl.load(COS + pos * D + d).to(tl.float32)
     sin = tl.load(SIN + pos * D + d).to(tl.float32)
-    k_block = tl.load(K_CACHE + blocks, mask=(n < pos)[:, None], other=0.0)
-    v_block = tl.load(V_CACHE + blocks, mask=(n < pos)[:, None], other=0.0)
+    # this program's cached positions [lo, hi): whole blocks of an even share, the last split the rest
+    if SPLITS == 1:  # kept apart: the general form made the short-context step 0.2-0.6% slower (run 32b)
+        lo = 0
+        hi = pos
+    else:
+        chunk = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(pos, lo + chunk)
+    k_block = tl.load(K_CACHE + blocks + lo * stride_cache_l, mask=(lo + n < hi)[:, None], other=0.0)
+    v_block = tl.load(V_CACHE + blocks + lo * stride_cache_l, mask=(lo + n < hi)[:, None], other=0.0)
     if PDL:  # qkv comes from the GEMM before this kernel
         tl.extra.cuda.gdc_wait()
 
@@ -69,21 +90,29 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
     q = _rotate(row + q_rows, d[None, :], partner[None, :], sign, cos, sin, g_mask).to(dtype)
     k = _rotate(row + HQ * D + h * D, d, partner, sign, cos, sin, d < D).to(dtype)
     v = tl.load(row + (HQ + HKV) * D + h * D + d)
-    tl.store(K_CACHE + cache + pos * stride_cache_l + d, k)
-    tl.store(V_CACHE + cache + pos * stride_cache_l + d, v)
+    if SPLITS == 1:
+        tl.store(K_CACHE + cache + pos * stride_cache_l + d, k)
+        tl.store(V_CACHE + cache + pos * stride_cache_l + d, v)
+    elif split == 0:  # one writer
+        tl.store(K_CACHE + cache + pos * stride_cache_l + d, k)
+        tl.store(V_CACHE + cache + pos * stride_cache_l + d, v)
 
-    # position pos from registers starts the running maximum, sum and output
+    # position pos from registers starts split 0's running maximum, sum and output; the other splits start empty
     qk_scale = sm_scale * 1.4426950408889634  # exp2
     m_i = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
     l_i = tl.full([GP], 1.0, tl.float32)
     acc = tl.zeros([GP, D], tl.float32) + v.to(tl.float32)[None, :]
-    start = 0
-    while start < pos:  # not a range(): Triton's interpreter cannot take a loaded bound there (CPU tests)
-        ahead = (start + BLOCK_N + n < pos)[:, None]  # the next block loads while this one is used
+    if SPLITS > 1:
+        m_i = tl.where(split == 0, m_i, -float("inf"))
+        l_i = tl.where(split == 0, l_i, 0.0)
+        acc = tl.where(split == 0, acc, 0.0)
+    start = lo
+    while start < hi:  # not a range(): Triton's interpreter cannot take a loaded bound there (CPU tests)
+        ahead = (start + BLOCK_N + n < hi)[:, None]  # the next block loads while this one is used
         k_next = tl.load(K_CACHE + blocks + (start + BLOCK_N) * stride_cache_l, mask=ahead, other=0.0)
         v_next = tl.load(V_CACHE + blocks + (start + BLOCK_N) * stride_cache_l, mask=ahead, other=0.0)
         s = tl.dot(q, tl.trans(k_block), input_precision="ieee") * qk_scale
-        s = tl.where((start + n < pos)[None, :], s, -float("inf"))
+        s = tl.where((start + n < hi)[None, :], s, -float("inf"))  # a block holds at least one: m_new is finite
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -92,8 +121,32 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O,
         m_i = m_new
         k_block, v_block = k_next, v_next
         start += BLOCK_N
-    o = acc / l_i[:, None]
-    tl.store(O + b * stride_o + q_rows + d[None, :], o.to(O.dtype.element_ty), mask=g_mask)
+    out = O + b * stride_o + q_rows + d[None, :]
+    if SPLITS == 1:
+        tl.store(out, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=g_mask)
+    else:
+        # PARTS [batch, HQ, SPLITS, D + 2] float32: each split's unnormalized output, then its maximum and sum
+        part_rows = PARTS + ((b * HQ + h * G + g) * SPLITS)[:, None] * (D + 2)
+        tl.store(part_rows + split * (D + 2) + d[None, :], acc, mask=g_mask)
+        tl.store(part_rows + split * (D + 2) + D, m_i[:, None], mask=g_mask)
+        tl.store(part_rows + split * (D + 2) + D + 1, l_i[:, None], mask=g_mask)
+        tl.debug_barrier()  # every thread's partials before the ticket's release
+        ticket = tl.atomic_add(TICKETS + b * HKV + h, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLITS - 1:  # the last split: the others' partials are visible; merged in split order
+            m_all = tl.load(part_rows + D, mask=g_mask, other=0.0, cache_modifier=".cg")  # split 0: finite
+            l_all = tl.load(part_rows + D + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
+            o = tl.load(part_rows + d[None, :], mask=g_mask, other=0.0, cache_modifier=".cg")
+            for r in tl.static_range(1, SPLITS):
+                m_r = tl.load(part_rows + r * (D + 2) + D, mask=g_mask, other=0.0, cache_modifier=".cg")
+                l_r = tl.load(part_rows + r * (D + 2) + D + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
+                o_r = tl.load(part_rows + r * (D + 2) + d[None, :], mask=g_mask, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_all, m_r)
+                alpha, beta = tl.exp2(m_all - m_new), tl.exp2(m_r - m_new)  # an empty split: beta 0
+                l_all = l_all * alpha + l_r * beta
+                o = o * alpha + o_r * beta
+                m_all = m_new
+            tl.store(out, (o / l_all).to(O.dtype.element_ty), mask=g_mask)
+            tl.store(TICKETS + b * HKV + h, 0)  # ready for the next call
 
 
 def _check(qkv, cos, sin, pos, k_cache, v_cache, heads):
@@ -119,27 +172,36 @@ def _check(qkv, cos, sin, pos, k_cache, v_cache, heads):
         raise ValueError(f"decode_attention: pos must be one integer, got {tuple(pos.shape)} {pos.dtype}")
 
 
-@torch.library.custom_op("microscale_bench::decode_attention", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("microscale_bench::decode_attention", mutates_args=("k_cache", "v_cache", "tickets"))
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, pdl: bool = False) -> torch.Tensor:
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, tickets: torch.Tensor, heads: int, splits: int = 1,
+                     pdl: bool = False) -> torch.Tensor:
     """Attention output [batch, heads * head_dim] of one new token per sequence at position `pos` (a device
     scalar, the same for every sequence; positions above it are never read); qkv [batch, (heads + 2 *
     kv_heads) * head_dim] are its projections before the rotary embedding, cos / sin [positions, head_dim]
     the rotary tables. Writes the rotated key and the value into k_cache / v_cache [batch, kv_heads,
-    cache_len, head_dim] at pos. pdl: a programmatic dependent launch (Inductor's TORCHINDUCTOR_ENABLE_PDL)."""
+    cache_len, head_dim] at pos. splits: programs per (sequence, KV head) (attention_splits), which count
+    their tickets in `tickets` (int32 [batch, kv_heads], zeros, left zero). pdl: a programmatic dependent launch
+    (Inductor's TORCHINDUCTOR_ENABLE_PDL)."""
     _check(qkv, cos, sin, pos, k_cache, v_cache, heads)
     batch, kv_heads, _, head_dim = k_cache.shape
+    if tickets.shape != (batch, kv_heads) or tickets.dtype != torch.int32 or not tickets.is_contiguous() \
+            or tickets.device != qkv.device or not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"decode_attention: tickets {tuple(tickets.shape)} {tickets.dtype} must be a contiguous "
+                         f"int32 [batch={batch}, kv_heads={kv_heads}] on {qkv.device}, and splits={splits} in 1..{MAX_SPLITS}")
     out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    decode_attention_kernel[(batch, kv_heads)](
-        qkv, cos, sin, pos, k_cache, v_cache, out, qkv.stride(0), *k_cache.stride()[:3], out.stride(0),
-        1.0 / math.sqrt(head_dim), HQ=heads, HKV=kv_heads, D=head_dim,
-        GP=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_N=BLOCK_N, PDL=pdl, num_warps=NUM_WARPS,
-        launch_pdl=pdl)
+    parts = out if splits == 1 else torch.empty(batch, heads, splits, head_dim + 2, dtype=torch.float32,
+                                                device=qkv.device)
+    decode_attention_kernel[(batch, kv_heads, splits)](
+        qkv, cos, sin, pos, k_cache, v_cache, out, parts, tickets, qkv.stride(0), *k_cache.stride()[:3],
+        out.stride(0), 1.0 / math.sqrt(head_dim), HQ=heads, HKV=kv_heads, D=head_dim,
+        GP=max(16, triton.next_power_of_2(heads // kv_heads)), BLOCK_N=BLOCK_N, SPLITS=splits, PDL=pdl,
+        num_warps=NUM_WARPS, launch_pdl=pdl)
     return out
 
 
 @decode_attention.register_fake
-def _(qkv, cos, sin, pos, k_cache, v_cache, heads, pdl=False):
+def _(qkv, cos, sin, pos, k_cache, v_cache, tickets, heads, splits=1, pdl=False):
     return qkv.new_empty(k_cache.shape[0], heads * k_cache.shape[3])
 
 

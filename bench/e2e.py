@@ -71,7 +71,7 @@ from microscale import fuse_gated, fuse_linears, quantize_model
 from microscale.kernels.sm90.launch import PDL_ENV, programmatic_launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s modules, also when loaded by path
-from decode_attention import decode_attention  # noqa: E402
+from decode_attention import attention_splits, decode_attention  # noqa: E402
 from microscale.models.linear import QuantizedLinear
 from microscale.models.quantize_model import model_bytes
 
@@ -142,6 +142,8 @@ class StaticDecoder:
         self.q_size, self.kv_size = cfg.num_attention_heads * self.head_dim, cfg.num_key_value_heads * self.head_dim
         shape = (batch, cfg.num_key_value_heads, cache_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
+        self.splits = attention_splits(cache_len)  # the attention kernel's programs per KV head, and their tickets
+        self.tickets = torch.zeros(batch, cfg.num_key_value_heads, dtype=torch.int32, device=device)
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros((), dtype=torch.long, device=device)
@@ -175,8 +177,8 @@ class StaticDecoder:
             else:
                 x = layer.input_layernorm(h)
             if self.attention == "kernel":
-                o = decode_attention(qkv_out.view(batch, -1), self.cos[0], self.sin[0], self.pos,
-                                     k_cache, v_cache, self.heads, h.is_cuda and programmatic_launch(h.device))
+                o = decode_attention(qkv_out.view(batch, -1), self.cos[0], self.sin[0], self.pos, k_cache, v_cache,
+                                     self.tickets, self.heads, self.splits, h.is_cuda and programmatic_launch(h.device))
                 o = o.view(batch, 1, -1)
             else:
                 if self.fused:

@@ -222,17 +222,20 @@ def test_lm_head_formats_quantize_the_head_too(e2e):
 # ---- bench/decode_attention.py: the fused ways' attention kernel ------------------------------------
 def attention_cases(device, dtype, seed: int) -> list:
     """(max error against the float64 reference, bound, what) per case: ragged positions (0, inside and at the end
-    of a 64-position block, the last slot), groups of 1-4 query heads per KV head, batches 1-3; the cache row at
-    pos must hold the rotated key and the value, every other row must be unchanged."""
+    of a 64-position block, the last slot), groups of 1-4 query heads per KV head, batches 1-3, positions split
+    over 1-16 programs per KV head (ranges of whole blocks, ragged last ones, empty ones); the cache row at pos must
+    hold the rotated key and the value, every other row must be unchanged. A split case runs twice on the same
+    tickets, which must be left zero."""
     if os.path.join(ROOT, "bench") not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, "bench"))
     from decode_attention import decode_attention, decode_attention_reference
 
     gen = torch.Generator().manual_seed(seed)
     results = []
-    for batch, heads, kv_heads, head_dim, cache_len, pos in [(1, 4, 4, 16, 70, 0), (2, 4, 2, 32, 70, 63),
-                                                             (3, 8, 2, 32, 150, 64), (2, 32, 8, 128, 132, 131),
-                                                             (1, 32, 8, 128, 300, 200)]:
+    for batch, heads, kv_heads, head_dim, cache_len, pos, splits in [
+            (1, 4, 4, 16, 70, 0, 1), (2, 4, 2, 32, 70, 63, 1), (3, 8, 2, 32, 150, 64, 1), (2, 32, 8, 128, 132, 131, 1),
+            (1, 32, 8, 128, 300, 200, 1), (1, 32, 8, 128, 300, 200, 2), (2, 8, 2, 32, 150, 130, 3),
+            (3, 4, 4, 16, 70, 5, 4), (1, 4, 2, 32, 300, 0, 3), (1, 8, 2, 64, 700, 699, 16)]:
         qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen)
         angles = torch.rand(cache_len, head_dim // 2, generator=gen) * 6
         angles = torch.cat([angles, angles], -1)
@@ -241,8 +244,10 @@ def attention_cases(device, dtype, seed: int) -> list:
                                                                            v_cache))
         want_k, want_v = k_cache.clone(), v_cache.clone()
         want = decode_attention_reference(qkv, cos, sin, pos, want_k, want_v, heads)
-        got = decode_attention(qkv, cos, sin, torch.tensor(pos, device=device), k_cache, v_cache, heads)
-        what = f"batch {batch}, {heads}/{kv_heads} heads of {head_dim}, pos {pos} of {cache_len}"
+        tickets = torch.zeros(batch, kv_heads, dtype=torch.int32, device=device)
+        runs = [decode_attention(qkv, cos, sin, torch.tensor(pos, device=device), k_cache, v_cache, tickets, heads,
+                                 splits) for _ in range(1 if splits == 1 else 2)]
+        what = f"batch {batch}, {heads}/{kv_heads} heads of {head_dim}, pos {pos} of {cache_len}, {splits} splits"
         # The output is a convex combination of values: rounding the weights p (16-bit dtypes: before the
         # p @ V dot) and the output costs eps * max|v|; the rotary in float32 against float64 can move a
         # rounded q or k by an ulp, which moves a score by at most eps * sqrt(head_dim) * max|q_rot| * max|k|
@@ -250,7 +255,9 @@ def attention_cases(device, dtype, seed: int) -> list:
         eps, v_max = torch.finfo(dtype).eps, want_v[:, :, :pos + 1].abs().max().item()
         score_err = eps * head_dim ** 0.5 * 2 * qkv.abs().max().item() * want_k.abs().max().item()
         bound = (2 * eps + (4 * score_err if dtype == torch.float32 else 0.0)) * v_max
-        results.append(((got.double() - want).abs().max().item(), bound, what))
+        for i, got in enumerate(runs):
+            results.append(((got.double() - want).abs().max().item(), bound, f"{what}, call {i + 1}"))
+        results.append((tickets.abs().max().item(), 0, what + ", tickets"))
         cache_err = max((k_cache.double() - want_k.double()).abs().max().item(),
                         (v_cache.double() - want_v.double()).abs().max().item())
         results.append((cache_err, eps * max(want_k.abs().max().item(), 1.0), what + ", caches"))
@@ -374,9 +381,15 @@ def test_attention_kernel_needs_fused_projections(e2e):
     model = tiny_float32(e2e, None)
     with pytest.raises(ValueError, match="fused projections"):
         e2e.StaticDecoder(model, batch=1, cache_len=8, attention="kernel")
+    tickets = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="qkv"):
         e2e.decode_attention(torch.zeros(1, 5), torch.zeros(8, 32), torch.zeros(8, 32), torch.tensor(0),
-                             torch.zeros(1, 2, 8, 32), torch.zeros(1, 2, 8, 32), 4)
+                             torch.zeros(1, 2, 8, 32), torch.zeros(1, 2, 8, 32), tickets, 4)
     with pytest.raises(ValueError, match="share a dtype"):
         e2e.decode_attention(torch.zeros(1, 256), torch.zeros(8, 32), torch.zeros(8, 32), torch.tensor(0),
-                             torch.zeros(1, 2, 8, 32, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 32), 4)
+                             torch.zeros(1, 2, 8, 32, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 32), tickets, 4)
+    for bad_tickets, splits in ((torch.zeros(1, 2, dtype=torch.int64), 2), (torch.zeros(2, 2, dtype=torch.int32), 2),
+                                (tickets, 0), (tickets, 17)):
+        with pytest.raises(ValueError, match="tickets"):
+            e2e.decode_attention(torch.zeros(1, 256), torch.zeros(8, 32), torch.zeros(8, 32), torch.tensor(0),
+                                 torch.zeros(1, 2, 8, 32), torch.zeros(1, 2, 8, 32), bad_tickets, 4, splits)
