@@ -90,7 +90,7 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O, PARTS, TICK
     q = _rotate(row + q_rows, d[None, :], partner[None, :], sign, cos, sin, g_mask).to(dtype)
     k = _rotate(row + HQ * D + h * D, d, partner, sign, cos, sin, d < D).to(dtype)
     v = tl.load(row + (HQ + HKV) * D + h * D + d)
-    if SPLITS == 1:
+    if SPLITS == 1:  # a compile-time branch: the one-split kernel keeps its code (170 registers, not 174)
         tl.store(K_CACHE + cache + pos * stride_cache_l + d, k)
         tl.store(V_CACHE + cache + pos * stride_cache_l + d, v)
     elif split == 0:  # one writer
@@ -188,7 +188,8 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     if tickets.shape != (batch, kv_heads) or tickets.dtype != torch.int32 or not tickets.is_contiguous() \
             or tickets.device != qkv.device or not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"decode_attention: tickets {tuple(tickets.shape)} {tickets.dtype} must be a contiguous "
-                         f"int32 [batch={batch}, kv_heads={kv_heads}] on {qkv.device}, and splits={splits} in 1..{MAX_SPLITS}")
+                         f"int32 [batch={batch}, kv_heads={kv_heads}] on {qkv.device}, and splits={splits} in "
+                         f"1..{MAX_SPLITS}")
     out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     parts = out if splits == 1 else torch.empty(batch, heads, splits, head_dim + 2, dtype=torch.float32,
                                                 device=qkv.device)

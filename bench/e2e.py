@@ -142,9 +142,9 @@ class StaticDecoder:
         self.q_size, self.kv_size = cfg.num_attention_heads * self.head_dim, cfg.num_key_value_heads * self.head_dim
         shape = (batch, cfg.num_key_value_heads, cache_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
         self.splits = attention_splits(cache_len)  # the attention kernel's programs per KV head, and their tickets
         self.tickets = torch.zeros(batch, cfg.num_key_value_heads, dtype=torch.int32, device=device)
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.slots = torch.arange(cache_len, device=device)

@@ -296,17 +296,20 @@ model = t.tiny_float32(e2e, "nvfp4")
 ids = torch.randint(0, e2e.TINY["vocab_size"], (2, 6))
 want = t.teacher_forced(e2e.StaticDecoder(model, batch=2, cache_len=8), ids)
 fused = e2e.fuse_projections(model)
-dec = e2e.StaticDecoder(model, batch=2, cache_len=8, fused=fused, attention="kernel")
-for step in (None, torch.compile(dec.step, fullgraph=True, dynamic=False)):
-    got = t.teacher_forced(dec, ids, step)
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+for cache_len in (8, 300):  # one program per KV head; two (the second one empty), whose tickets every layer reuses
+    dec = e2e.StaticDecoder(model, batch=2, cache_len=cache_len, fused=fused, attention="kernel")
+    assert dec.splits == (1 if cache_len == 8 else 2), dec.splits
+    for step in (None, torch.compile(dec.step, fullgraph=True, dynamic=False)):
+        got = t.teacher_forced(dec, ids, step)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (cache_len, (got - want).abs().max())
+    assert not dec.tickets.any()
 print("ok")
 """
 
 
 def test_static_decoder_with_the_attention_kernel_interpreted(seed):
     """StaticDecoder(attention="kernel") gives the SDPA step's logits, eager and compiled (the kernel is a custom op
-    that writes the caches)."""
+    that writes the caches and its tickets), with one and with two programs per KV head."""
     r = subprocess.run([sys.executable, "-c", _DECODER_INTERPRETED.format(root=ROOT, seed=seed)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
