@@ -16,11 +16,11 @@ showed o_proj entering only 0.5 us before attention ended; step 1.95 -> 1.91 ms,
 128 positions per trip no faster (run 25f), nor two blocks of 64 in flight (run 32a).
 Long caches split their positions: at batch 1 only 8 programs run, each looping over every cached position
 (the NVFP4 step from position 1024 took 2.34 ms against 1.69 from position 16, run 32a). A cache of more than
-SPLIT_POSITIONS slots runs `splits` programs per KV head (attention_splits), each over its share of whole blocks
-of the positions below pos; each stores its unnormalized output, running maximum and sum, and the last of them
-to take a ticket merges the others'. The split count follows the cache's length, which a captured graph fixes,
-not pos, which moves on the device; short caches keep one program and no workspace (splitting the benchmark's
-short contexts over up to 64 programs made the step slower, session 30).
+SPLIT_POSITIONS slots runs `splits` programs per KV head (attention_splits: while they fit the SMs), each over its
+share of whole blocks of the positions below pos; each stores its unnormalized output, running maximum and sum,
+and the last of them to take a ticket merges the others'. The split count follows the cache's length, which a
+captured graph fixes, not pos, which moves on the device; short caches keep one program and no workspace
+(splitting the benchmark's short contexts over up to 64 programs made the step slower, session 30).
 """
 
 import math
@@ -33,9 +33,12 @@ BLOCK_N, NUM_WARPS = 64, 8  # cached positions per loop trip; warps per program
 SPLIT_POSITIONS, MAX_SPLITS = 256, 16  # cache slots per program of a KV head, at most this many programs
 
 
-def attention_splits(cache_len: int) -> int:
-    """Programs per (sequence, KV head) for a cache of cache_len positions."""
-    return max(1, min(MAX_SPLITS, -(-cache_len // SPLIT_POSITIONS)))
+def attention_splits(cache_len: int, programs: int = 1, sms: int = None) -> int:
+    """Programs per (sequence, KV head) for a cache of cache_len positions, where `programs` (sequences x KV heads)
+    run unsplit on a GPU of `sms` SMs (None: no limit): a split only while all of them fit the SMs. Batch 16 of
+    Llama-3-8B's 8 KV heads from position 1024: NVFP4 step (e) 3.303 ms with 5 splits, 2.730 with none (run 32d)."""
+    cap = MAX_SPLITS if sms is None else max(1, sms // programs)
+    return max(1, min(MAX_SPLITS, cap, -(-cache_len // SPLIT_POSITIONS)))
 
 
 @triton.jit

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from microscale import fuse_gated, fuse_linears, quantize_model
-from microscale.kernels.sm90.launch import PDL_ENV, programmatic_launch
+from microscale.kernels.sm90.launch import PDL_ENV, device_index, programmatic_launch, sm_count
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s modules, also when loaded by path
 from decode_attention import attention_splits, decode_attention  # noqa: E402
@@ -143,7 +143,9 @@ class StaticDecoder:
         shape = (batch, cfg.num_key_value_heads, cache_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.model.layers]
-        self.splits = attention_splits(cache_len)  # the attention kernel's programs per KV head, and their tickets
+        # the attention kernel's programs per KV head, and their tickets
+        self.splits = attention_splits(cache_len, batch * cfg.num_key_value_heads,
+                                       sm_count(device_index(device)) if device.type == "cuda" else None)
         self.tickets = torch.zeros(batch, cfg.num_key_value_heads, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros((), dtype=torch.long, device=device)
