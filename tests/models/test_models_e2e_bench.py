@@ -264,16 +264,12 @@ def attention_cases(device, dtype, seed: int) -> list:
     return results
 
 
-def test_attention_splits():
+def test_attention_splits(e2e):
     """A split per 256 cache slots, at most 16, and only while sequences x KV heads x splits fit the SMs."""
-    if os.path.join(ROOT, "bench") not in sys.path:
-        sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from decode_attention import attention_splits
-
     cases = [((132, 8, 132), 1), ((256, 8, 132), 1), ((257, 8, 132), 2), ((1160, 8, 132), 5), ((4212, 8, 132), 16),
              ((9000, 8, 132), 16), ((1160, 32, 132), 4), ((1160, 128, 132), 1), ((1160, 256, 132), 1),
              ((1160, 8, None), 5), ((300, 4, None), 2)]
-    assert [attention_splits(*args) for args, _ in cases] == [want for _, want in cases]
+    assert [e2e.attention_splits(*args) for args, _ in cases] == [want for _, want in cases]
 
 
 _ATTENTION_INTERPRETED = """
