@@ -50,6 +50,16 @@ def _rotate(ptr, d, partner, sign, cos, sin, mask):
 
 
 @triton.jit
+def _load_partial(ptr, D: tl.constexpr, d, mask):
+    """A split's running maximum, sum and unnormalized output at ptr (rows by the caller's offsets), from L2: other
+    programs wrote them."""
+    m = tl.load(ptr + D, mask=mask, other=0.0, cache_modifier=".cg")
+    l = tl.load(ptr + D + 1, mask=mask, other=0.0, cache_modifier=".cg")  # noqa: E741
+    o = tl.load(ptr + d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    return m, l, o
+
+
+@triton.jit
 def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O, PARTS, TICKETS,
                             stride_qkv, stride_cache_b, stride_cache_h, stride_cache_l, stride_o, sm_scale,
                             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
@@ -130,19 +140,16 @@ def decode_attention_kernel(QKV, COS, SIN, POS, K_CACHE, V_CACHE, O, PARTS, TICK
     else:
         # PARTS [batch, HQ, SPLITS, D + 2] float32: each split's unnormalized output, then its maximum and sum
         part_rows = PARTS + ((b * HQ + h * G + g) * SPLITS)[:, None] * (D + 2)
-        tl.store(part_rows + split * (D + 2) + d[None, :], acc, mask=g_mask)
-        tl.store(part_rows + split * (D + 2) + D, m_i[:, None], mask=g_mask)
-        tl.store(part_rows + split * (D + 2) + D + 1, l_i[:, None], mask=g_mask)
+        mine = part_rows + split * (D + 2)
+        tl.store(mine + d[None, :], acc, mask=g_mask)
+        tl.store(mine + D, m_i[:, None], mask=g_mask)
+        tl.store(mine + D + 1, l_i[:, None], mask=g_mask)
         tl.debug_barrier()  # every thread's partials before the ticket's release
         ticket = tl.atomic_add(TICKETS + b * HKV + h, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLITS - 1:  # the last split: the others' partials are visible; merged in split order
-            m_all = tl.load(part_rows + D, mask=g_mask, other=0.0, cache_modifier=".cg")  # split 0: finite
-            l_all = tl.load(part_rows + D + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
-            o = tl.load(part_rows + d[None, :], mask=g_mask, other=0.0, cache_modifier=".cg")
+            m_all, l_all, o = _load_partial(part_rows, D, d, g_mask)  # split 0's maximum is finite
             for r in tl.static_range(1, SPLITS):
-                m_r = tl.load(part_rows + r * (D + 2) + D, mask=g_mask, other=0.0, cache_modifier=".cg")
-                l_r = tl.load(part_rows + r * (D + 2) + D + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
-                o_r = tl.load(part_rows + r * (D + 2) + d[None, :], mask=g_mask, other=0.0, cache_modifier=".cg")
+                m_r, l_r, o_r = _load_partial(part_rows + r * (D + 2), D, d, g_mask)
                 m_new = tl.maximum(m_all, m_r)
                 alpha, beta = tl.exp2(m_all - m_new), tl.exp2(m_r - m_new)  # an empty split: beta 0
                 l_all = l_all * alpha + l_r * beta
