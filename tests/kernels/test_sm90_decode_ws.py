@@ -28,7 +28,9 @@ CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1, k_warps=2), D.Rin
            D.RingConfig(groups=5, steps=2, split=2), D.RingConfig(block_m=16, groups=4, steps=2, stages=3, split=3),
            D.RingConfig(block_m=16, groups=16, steps=2, stages=4, split=1),
            D.RingConfig(groups=3, steps=4, stages=2, split=2, k_warps=4),
-           D.RingConfig(groups=5, steps=2, stages=4, split=1, k_warps=2))
+           D.RingConfig(groups=5, steps=2, stages=4, split=1, k_warps=2),
+           D.RingConfig(block_m=16, groups=14, steps=4, stages=3, split=1, k_warps=2, groups_per_warp=2),
+           D.RingConfig(groups=8, split=2, k_warps=2, groups_per_warp=2))
 
 
 NORM_CONFIGS = (CONFIGS[0], CONFIGS[1], CONFIGS[2], CONFIGS[6])  # 2 warps: split 1 and 2; 16 rows: split 1 and 3
@@ -48,14 +50,17 @@ def build(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", list(FMT_CODE))
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-g{c.groups}-kw{c.k_warps}-s{c.steps}-"
-                                                    f"st{c.stages}-split{c.split}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c.block_m}-g{c.groups}-kw{c.k_warps}-"
+                                                    f"gpw{c.groups_per_warp}-"
+                                                    f"s{c.steps}-st{c.stages}-split{c.split}")
 def test_sass_holds_the_ring(build, fmt, cfg):
     compiled, sass, resources = build
     code = sass[compiled.symbols[D.name_expression(FMT_CODE[fmt], cfg)]]
-    # a consumer warp's stage: steps / k_warps K steps, each 4 slices of 16 with block_m / 8 MMAs of 8 activation rows
-    assert len(re.findall(r"HMMA\.16816\.F32\.BF16", code)) == 4 * cfg.steps // cfg.k_warps * cfg.block_m // 8
-    # partials go through shared memory (16-byte stores) to the row group's first warp
+    # a consumer warp's stage: steps / k_warps K steps of groups_per_warp row groups, each 4 slices of 16 with
+    # block_m / 8 MMAs of 8 activation rows
+    mmas = 4 * cfg.steps // cfg.k_warps * cfg.groups_per_warp * cfg.block_m // 8
+    assert len(re.findall(r"HMMA\.16816\.F32\.BF16", code)) == mmas
+    # partials go through shared memory (16-byte stores) to the warp that stores the row group
     assert ("STS.128" in code) == (cfg.k_warps > 1)
     assert "UTMALDG.2D" in code and "UTMALDG.3D" in code and "UTMALDG.4D" in code  # x, scales, words
     assert "UTMACCTL.PF" in code  # the maps (kernel parameters) prefetched
@@ -208,11 +213,15 @@ def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkey
     (4096, 4096 + 128, "nvfp4", D.RingConfig(groups=4, steps=2, stages=8, split=2)),  # 66 steps: 2 per stage
 ])
 def test_ring_config_fills_the_sms_with_one_cta_each(n, k, fmt, want):
-    """want: the tiling at M = 1 but for its two consumer warps per row group (up to M = 8); at M = 16 one warp."""
+    """want: the tiling at M = 1 but for its two consumer warps per row group (up to M = 8); at M = 16 each warp takes
+    two row groups and every other K step (groups_per_warp 2, k_warps 2) where the groups pair up and K is long."""
     for m in (1, 8):
         assert D.ring_config(m, n, k, FMT_CODE[fmt]) == dataclasses.replace(want, k_warps=2)
-    wide = D.ring_config(16, n, k, FMT_CODE[fmt])
-    assert (wide.block_m, wide.k_warps, wide.groups, wide.split) == (16, 1, want.groups, want.split)
+    for groups in (want.groups, want.groups + 1):
+        sms = -(-D.padded_shape(n, k)[0] // (16 * groups)) * want.split  # the tiling that fills them: groups
+        wide = D.ring_config(16, n, k, FMT_CODE[fmt], sms)
+        pairs = 2 if groups % 2 == 0 and D.padded_shape(n, k)[1] >= D.PAIRS_MIN_K else 1
+        assert (wide.block_m, wide.groups, wide.k_warps, wide.groups_per_warp) == (16, groups, pairs, pairs)
 
 
 def test_ring_config_never_launches_more_ctas_than_sms(seed):

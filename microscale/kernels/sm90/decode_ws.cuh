@@ -60,28 +60,34 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4],
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// One K step of a consumer warp: acc[8 j .. 8 j + 3] += W tile (16 rows) x^T (x rows 8 j .. 8 j + 7).
+// One K step of a consumer warp: acc[r][4 j .. 4 j + 3] += W tile (16 rows of row group r) x^T (x rows 8 j .. 8 j + 7).
 // The thread's pair P (physical k 16t + 2P, +1; decode_step) is the MMA's k slice P / 2, half P % 2, for
 // the weights (A) and the activations (B) alike. x_addr: the K step's x box plus x_lane_offset().
-template <int FMT, int BM>
-__device__ __forceinline__ void ring_step(float (&acc)[BM / 2], u32 w_addr, u32 s_addr, u32 x_addr) {
-  u32 pair[2][2][4];
-  decode_step<FMT>(w_addr, s_addr, pair);
+// GPW row groups (words and scales W_STRIDE and S_STRIDE bytes apart) share the x registers: at M = 16 the x loads
+// take 4 times the shared-memory bytes of the words.
+template <int FMT, int BM, int GPW, int W_STRIDE, int S_STRIDE>
+__device__ __forceinline__ void ring_step(float (&acc)[GPW][BM / 2], u32 w_addr, u32 s_addr, u32 x_addr) {
+  u32 pair[GPW][2][2][4];
+#pragma unroll
+  for (int r = 0; r < GPW; ++r) decode_step<FMT>(w_addr + r * W_STRIDE, s_addr + r * S_STRIDE, pair[r]);
 #pragma unroll
   for (int j = 0; j < BM / 8; ++j) {
     u32 xw[8];  // rows 8 j + g, chunks 2t and 2t + 1 (the swizzle flips bit 4 of the offset between them)
     ld_shared_v4(x_addr + j * 8 * X_ROW_BYTES, xw);
     ld_shared_v4((x_addr + j * 8 * X_ROW_BYTES) ^ 16u, xw + 4);
-    float d[4] = {acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]};
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int p0 = 2 * c, p1 = 2 * c + 1;
-      const u32 a[4] = {pair[0][p0 / 4][p0 % 4], pair[1][p0 / 4][p0 % 4], pair[0][p1 / 4][p1 % 4],
-                        pair[1][p1 / 4][p1 % 4]};
-      mma_bf16_16816(d, a, xw[p0], xw[p1]);
+    for (int r = 0; r < GPW; ++r) {
+      float d[4] = {acc[r][4 * j], acc[r][4 * j + 1], acc[r][4 * j + 2], acc[r][4 * j + 3]};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int p0 = 2 * c, p1 = 2 * c + 1;
+        const u32 a[4] = {pair[r][0][p0 / 4][p0 % 4], pair[r][1][p0 / 4][p0 % 4], pair[r][0][p1 / 4][p1 % 4],
+                          pair[r][1][p1 / 4][p1 % 4]};
+        mma_bf16_16816(d, a, xw[p0], xw[p1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][4 * j + i] = d[i];
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[4 * j + i] = d[i];
   }
 }
 
@@ -158,8 +164,8 @@ __device__ __forceinline__ void normalize_stages(u32 smem, u32 full, u32 ready, 
   }
 }
 
-template <int FMT, int BM, int RGS, int KW, int STEPS, int STAGES, int SPLIT, int GATED, int NORM, int RESID>
-__global__ void __launch_bounds__((RGS * KW + 1 + NORM) * 32)
+template <int FMT, int BM, int RGS, int KW, int GPW, int STEPS, int STAGES, int SPLIT, int GATED, int NORM, int RESID>
+__global__ void __launch_bounds__((RGS * KW / GPW + 1 + NORM) * 32)
 decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__ TensorMap data_tmap,
                const __grid_constant__ TensorMap scale_tmap, const float* __restrict__ row_mult,
                const u16* __restrict__ bias, u16* __restrict__ y, int M, int N, int KT, int ldy, int steps,
@@ -168,7 +174,8 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
   using L = RingSmem<FMT, BM, RGS, STEPS, STAGES, NORM, SPLIT>;
   static_assert(STEPS % KW == 0, "a stage's K steps are shared out among the KW warps of a row group");
   static_assert(RGS * KW * 32 * L::ACC * 4 <= L::FULL_OFF, "the partials must fit in the ring");
-  constexpr int CONSUMERS = RGS * KW;
+  static_assert(GPW == 1 || (RGS % GPW == 0 && KW >= GPW), "a warp per row group must be left for the epilogue");
+  constexpr int CONSUMERS = RGS * KW / GPW;
   extern __shared__ unsigned char smem_raw[];
   const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
   const u32 full = smem + L::FULL_OFF, empty = smem + L::EMPTY_OFF, ready = smem + L::READY_OFF;
@@ -194,9 +201,13 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     cluster_arrive_relaxed();
   }
 
-  float acc[L::ACC];
+  float accs[GPW][L::ACC];  // the warp's row groups; after the K loop acc is the sum for the row group it stores
 #pragma unroll
-  for (int i = 0; i < L::ACC; ++i) acc[i] = 0.0f;
+  for (int r = 0; r < GPW; ++r) {
+#pragma unroll
+    for (int i = 0; i < L::ACC; ++i) accs[r][i] = 0.0f;
+  }
+  float (&acc)[L::ACC] = accs[0];
 
   // The epilogue's operands are loaded before the K loop, so that they add no memory round trip to the kernel's
   // tail: the rows' factors and bias (constants, before griddepcontrol.wait) and the residual (after it). After
@@ -285,7 +296,7 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     wait_prior_grid();  // and the consumers store y, which the kernel before this one may still read
     if (RESID && stores) load_residual();
     const int scale_lane = FMT == 0 ? lane : (lane / 4) * 2 + (lane % 4) / 2;
-    const int group = warp % RGS, kw = warp / RGS;
+    const int group = warp % (RGS / GPW) * GPW, kw = warp / (RGS / GPW);
     // The warp's addresses in stage 0, made opaque to ptxas, which otherwise recomputes them in every trip from the
     // CTA id and the lane; the stage and its phase advance by counting. The NVFP4 M <= 8 loop takes 145 SASS
     // instructions per stage instead of 164-168, its consumers alone 8% less time (sweep_h200.json run 27e).
@@ -299,8 +310,9 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       mbar_wait((NORM ? ready : full) + 8 * stage, phase);
 #pragma unroll
       for (int j = 0; j < STEPS / KW; ++j) {
-        ring_step<FMT, BM>(acc, words + offset + j * KW * DATA_BYTES<FMT>, scales + offset + j * KW * SCALE_BYTES<FMT>,
-                           x + offset + j * KW * L::X_STEP);
+        ring_step<FMT, BM, GPW, STEPS * DATA_BYTES<FMT>, STEPS * SCALE_BYTES<FMT>>(
+            accs, words + offset + j * KW * DATA_BYTES<FMT>, scales + offset + j * KW * SCALE_BYTES<FMT>,
+            x + offset + j * KW * L::X_STEP);
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * stage);
@@ -312,29 +324,34 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
 
   // acc[4 j + 2 h + c]: weight row 16 warp + g + 8 h of the tile, activation row 8 j + 2 t + c
   bool mine = warp < RGS;
-  const u32 partial = smem + (warp * 32 + lane) * (4 * L::ACC);
-  auto store_partial = [&]() {
-#pragma unroll
-    for (int i = 0; i < L::ACC; i += 4)
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(partial + 4 * i), "f"(acc[i]), "f"(acc[i + 1]),
-                   "f"(acc[i + 2]), "f"(acc[i + 3]) : "memory");
-  };
+  // the partials of row group rg from the warps taking K steps kw (mod KW), [KW][RGS][32 lanes][ACC] floats
+  auto partial = [&](int kw_, int rg) { return smem + ((kw_ * RGS + rg) * 32 + lane) * (4 * L::ACC); };
   if constexpr (KW > 1 || NORM) {
     __syncthreads();  // every consumer is done with the ring (it takes the partials); the norm warp's sums are in
   }
   if constexpr (KW > 1) {
-    if (warp < CONSUMERS && warp >= RGS) store_partial();
-    __syncthreads();
-    if (mine) {  // the row group's first warp adds the others' partials in warp order
+    // warp w < RGS sums row group w's partials in kw order, starting from its own with GPW = 1
+    if (warp < CONSUMERS && (GPW > 1 || warp >= RGS)) {
+      const int kw = warp / (RGS / GPW), group = warp % (RGS / GPW) * GPW;
 #pragma unroll
-      for (int p = 1; p < KW; ++p) {
+      for (int r = 0; r < GPW; ++r) {
+#pragma unroll
+        for (int i = 0; i < L::ACC; i += 4)
+          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(partial(kw, group + r) + 4 * i),
+                       "f"(accs[r][i]), "f"(accs[r][i + 1]), "f"(accs[r][i + 2]), "f"(accs[r][i + 3]) : "memory");
+      }
+    }
+    __syncthreads();
+    if (mine) {
+#pragma unroll
+      for (int p = GPW > 1 ? 0 : 1; p < KW; ++p) {
 #pragma unroll
         for (int i = 0; i < L::ACC; i += 4) {
           float v[4];
           asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
-                       : "r"(partial + p * RGS * 32 * 4 * L::ACC + 4 * i) : "memory");
+                       : "r"(partial(p, warp) + 4 * i) : "memory");
 #pragma unroll
-          for (int j = 0; j < 4; ++j) acc[i + j] += v[j];
+          for (int j = 0; j < 4; ++j) acc[i + j] = p == 0 ? v[j] : acc[i + j] + v[j];
         }
       }
     }

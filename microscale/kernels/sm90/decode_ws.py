@@ -37,6 +37,7 @@ ONE_CTA_PER_SM_BYTES = 116 * 1024
 # than the Inductor norm kernel it removes (step (e) 1.989 / 1.988 -> 1.952 / 1.946 ms, run 25a), but 23.1 -> 33.6
 # us at batch 16 (step (d) 2.473 -> 2.738 ms), where the residual add cost nothing measurable (o_proj 7.6 -> 7.7 us).
 NORM_MAX_M = 8
+PAIRS_MIN_K = 8192  # ring_config: two row groups per consumer warp at M = 9-16 from this K (padded)
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,11 @@ class RingConfig:
     stages: int = 4
     split: int = 1  # K parts per tile: the CTAs of a cluster
     k_warps: int = 1  # consumer warps per row group, each taking every k_warps-th K step of a stage
+    groups_per_warp: int = 1  # row groups a consumer warp decodes per K step, sharing x's registers (<= k_warps)
 
     @property
     def threads(self) -> int:
-        return 32 * (self.groups * self.k_warps + 1)  # + the producer warp
+        return 32 * (self.groups * self.k_warps // self.groups_per_warp + 1)  # + the producer warp
 
     def stage_bytes(self, fmt_code: int) -> int:
         """x, words and scales of one stage, rounded up to 1024 bytes (x's swizzled boxes stay aligned)."""
@@ -85,7 +87,13 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
     sweep_h200.json runs 23e/23f): NVFP4 M = 1 28672x8192 39.6 -> 36.9 us, 8192x28672 38.6 -> 35.6, 28672x4096
     22.1 -> 20.7, M = 2 40.0 -> 37.1 and 39.0 -> 35.9; MXFP8 M = 1 8192x28672 65.1 -> 58.9; M = 4-8 level
     (within 1%), 8192x8192 level; at M = 16 one warp stays 1-5% faster. Four warps per row group measured
-    slower than two on every weight tried."""
+    slower than two on every weight tried.
+    At M = 9-16 on rows of PAIRS_MIN_K or more, where the groups pair up, each consumer warp takes two row groups
+    and every other K step (groups_per_warp 2, k_warps 2): the same warps, half the x loads from shared memory,
+    which at 16 rows take 4 times the words' bytes. Session 33 (sweep_h200.json run 33b, interleaved with one
+    group per warp): M = 16 NVFP4 8192x28672 41.2 -> 39.0 us, 4096x14336 15.7 -> 15.3, 8192x8192 15.4 -> 15.0,
+    MXFP4 8192x28672 39.8 -> 37.8, 28672x8192 level to 1% faster; K = 4096 2-4% slower (6144x4096, 4096x4096,
+    28672x4096; MXFP8 too)."""
     groups_total = padded_shape(n, k)[0] // ROW_GROUP
     kt = padded_shape(n, k)[1] // K_STEP
     prefer = 4 if fmt_code == 2 else 8
@@ -97,8 +105,10 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
                 best = (ctas, -abs(groups - prefer)), groups, split
     _, groups, split = best
     block_m = 8 if m <= 8 else 16
-    k_warps = 2 if block_m == 8 and 2 * groups + 1 <= MAX_WARPS else 1
-    cfg = RingConfig(block_m=block_m, groups=groups, steps=4, stages=4, split=split, k_warps=k_warps)
+    pairs = block_m == 16 and groups % 2 == 0 and kt * K_STEP >= PAIRS_MIN_K
+    k_warps = 2 if pairs or block_m == 8 and 2 * groups + 1 <= MAX_WARPS else 1
+    cfg = RingConfig(block_m=block_m, groups=groups, steps=4, stages=4, split=split, k_warps=k_warps,
+                     groups_per_warp=2 if pairs else 1)
     if kt % 4 or cfg.stage_bytes(fmt_code) > MAX_STAGE_BYTES:
         cfg = replace(cfg, steps=2)
     return replace(cfg, stages=max(2, min(MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))))
@@ -152,8 +162,8 @@ def variant(fmt_code: int, cfg: RingConfig, gated: bool = False, norm: bool = Fa
 
 def name_expression(fmt_code: int, cfg: RingConfig, gated: bool = False, norm: bool = False,
                     residual: bool = False) -> str:
-    return (f"ms90::decode_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.groups}, {cfg.k_warps}, {cfg.steps}, {cfg.stages}, "
-            f"{cfg.split}, {int(gated)}, {int(norm)}, {int(residual)}>")
+    return (f"ms90::decode_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.groups}, {cfg.k_warps}, {cfg.groups_per_warp}, "
+            f"{cfg.steps}, {cfg.stages}, {cfg.split}, {int(gated)}, {int(norm)}, {int(residual)}>")
 
 
 def threads(cfg: RingConfig, norm: bool = False) -> int:
@@ -198,6 +208,8 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
     if m > cfg.block_m or kt % cfg.steps or cfg.split not in range(1, 9) or cfg.steps % cfg.k_warps:
         raise ValueError(f"decode_ws: {cfg} cannot run M={m} (block_m) on K={kp} ({kt} steps of {K_STEP}), its "
                          f"split is not a cluster size of 1-8, or k_warps does not divide the steps per stage")
+    if cfg.groups_per_warp not in (1, 2) or cfg.groups % cfg.groups_per_warp or cfg.groups_per_warp > cfg.k_warps:
+        raise ValueError(f"decode_ws: {cfg}: groups_per_warp must be 1 or 2, divide groups and not exceed k_warps")
     if gated and n % (2 * PAIR_ROWS):
         raise ValueError(f"decode_ws: the gated epilogue needs N = {n} a multiple of {2 * PAIR_ROWS}")
     device = device_index(x.device)
