@@ -225,11 +225,11 @@ def _ws_sources():
     """decode_ws.source() as is and patched for the two probes (module docstring, probe 4)."""
     from microscale.kernels.sm90 import decode_ws
     src = decode_ws.source()
-    step = "        ring_step<FMT, BM>("
+    step = "        ring_step<FMT, BM, GPW, "
     weights = "        const u32 f = full + 8 * stage, base = smem + stage * L::STAGE;\n"
     x = "      auto load_x = [&](int i) {\n        const int stage = i % STAGES, kt = kt0 + i * STEPS;\n"
     return {"full": src,
-            "stream": "__device__ int ms_never = 0;\n" + _splice(src, step, "        if (ms_never) ring_step<FMT, BM>("),
+            "stream": "__device__ int ms_never = 0;\n" + _splice(src, step, "        if (ms_never) ring_step<FMT, BM, GPW, "),
             "consume": _splice(_splice(src, weights, weights + "        if (i >= STAGES) { mbar_arrive(f); return; }\n"),
                                x, x + "        if (i >= STAGES) return;\n")}
 
