@@ -269,3 +269,7 @@ def test_x_it_cannot_take_is_refused():
     with pytest.raises(ValueError, match="cannot run M=9"):
         D.decode_ws_gemm(torch.zeros(9, 64, dtype=torch.bfloat16), None, None, None, None, 0, 128, 64,
                          D.RingConfig(block_m=8))
+    for cfg in (D.RingConfig(groups_per_warp=2), D.RingConfig(groups=5, k_warps=2, groups_per_warp=2),
+                D.RingConfig(k_warps=4, groups_per_warp=4)):  # more groups than warps per group; odd groups; 4
+        with pytest.raises(ValueError, match="groups_per_warp must be 1 or 2"):
+            D.decode_ws_gemm(torch.zeros(1, 256, dtype=torch.bfloat16), None, None, None, None, 0, 128, 256, cfg)
