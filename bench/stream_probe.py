@@ -228,8 +228,9 @@ def _ws_sources():
     step = "        ring_step<FMT, BM, GPW, "
     weights = "        const u32 f = full + 8 * stage, base = smem + stage * L::STAGE;\n"
     x = "      auto load_x = [&](int i) {\n        const int stage = i % STAGES, kt = kt0 + i * STEPS;\n"
+    never = "__device__ int ms_never = 0;\n"
     return {"full": src,
-            "stream": "__device__ int ms_never = 0;\n" + _splice(src, step, "        if (ms_never) ring_step<FMT, BM, GPW, "),
+            "stream": never + _splice(src, step, "        if (ms_never) ring_step<FMT, BM, GPW, "),
             "consume": _splice(_splice(src, weights, weights + "        if (i >= STAGES) { mbar_arrive(f); return; }\n"),
                                x, x + "        if (i >= STAGES) return;\n")}
 
