@@ -30,7 +30,9 @@ CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1, k_warps=2), D.Rin
            D.RingConfig(groups=3, steps=4, stages=2, split=2, k_warps=4),
            D.RingConfig(groups=5, steps=2, stages=4, split=1, k_warps=2),
            D.RingConfig(block_m=16, groups=14, steps=4, stages=3, split=1, k_warps=2, groups_per_warp=2),
-           D.RingConfig(groups=8, split=2, k_warps=2, groups_per_warp=2))
+           D.RingConfig(groups=8, split=2, k_warps=2, groups_per_warp=2),
+           D.RingConfig(block_m=16, groups=14, steps=4, stages=3, split=1, k_warps=4, groups_per_warp=2),
+           D.RingConfig(block_m=16, groups=4, steps=4, stages=4, split=2, k_warps=2))
 
 
 NORM_CONFIGS = (CONFIGS[0], CONFIGS[1], CONFIGS[2], CONFIGS[6])  # 2 warps: split 1 and 2; 16 rows: split 1 and 3
@@ -213,15 +215,41 @@ def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkey
     (4096, 4096 + 128, "nvfp4", D.RingConfig(groups=4, steps=2, stages=8, split=2)),  # 66 steps: 2 per stage
 ])
 def test_ring_config_fills_the_sms_with_one_cta_each(n, k, fmt, want):
-    """want: the tiling at M = 1 but for its two consumer warps per row group (up to M = 8); at M = 16 each warp takes
-    two row groups and every other K step (groups_per_warp 2, k_warps 2) where the groups pair up and K is long."""
+    """want: the tiling at M = 1 but for its two consumer warps per row group (up to M = 8). At M = 16: two warps per
+    row group below 8 groups; from 8, where the groups pair up and K is long, each warp takes two row groups and
+    every other K step (groups_per_warp 2, k_warps 2), from 12 groups every fourth (k_warps 4) where a stage's steps
+    allow; otherwise one warp per row group."""
     for m in (1, 8):
         assert D.ring_config(m, n, k, FMT_CODE[fmt]) == dataclasses.replace(want, k_warps=2)
     for groups in (want.groups, want.groups + 1):
         sms = -(-D.padded_shape(n, k)[0] // (16 * groups)) * want.split  # the tiling that fills them: groups
         wide = D.ring_config(16, n, k, FMT_CODE[fmt], sms)
-        pairs = 2 if groups % 2 == 0 and D.padded_shape(n, k)[1] >= D.PAIRS_MIN_K else 1
-        assert (wide.block_m, wide.groups, wide.k_warps, wide.groups_per_warp) == (16, groups, pairs, pairs)
+        assert (wide.block_m, wide.groups, wide.split) == (16, groups, want.split)
+        assert (wide.k_warps, wide.groups_per_warp) == _warps_at_m16(groups, D.padded_shape(n, k)[1], wide.steps)
+
+
+def _warps_at_m16(groups, k_padded, steps):
+    """(k_warps, groups_per_warp) of the M = 16 rule in ring_config's docstring."""
+    if groups < 8:
+        return 2, 1
+    if groups % 2 == 0 and k_padded >= 8192:
+        return (4 if groups >= 12 and steps % 4 == 0 else 2), 2
+    return 1, 1
+
+
+@pytest.mark.parametrize("n,k,fmt,groups,warps", [
+    (4096, 14336, "nvfp4", 4, (2, 1)), (6144, 4096, "mxfp4", 6, (2, 1)), (8192, 8192, "mxfp8", 4, (2, 1)),
+    (8192, 8192, "nvfp4", 8, (2, 2)), (8192, 4096, "nvfp4", 8, (1, 1)),  # K = 4096: no pairs
+    (25344, 8192, "nvfp4", 12, (4, 2)), (26624, 8192, "nvfp4", 13, (1, 1)),  # 12 x 132, 13 x 128 row groups
+    (28672, 8192, "mxfp4", 14, (4, 2)), (28672, 4096, "nvfp4", 14, (1, 1)),
+    (28672, 8192, "mxfp8", 14, (2, 2)),  # 2 steps per stage (a 4-step stage passes MAX_STAGE_BYTES)
+])
+def test_ring_config_warps_at_m16(n, k, fmt, groups, warps):
+    """At M = 9-16 the consumer warps follow the CTA's row groups (sweep_h200.json runs 34b/34c)."""
+    for m in (9, 16):
+        cfg = D.ring_config(m, n, k, FMT_CODE[fmt])
+        assert (cfg.block_m, cfg.groups, (cfg.k_warps, cfg.groups_per_warp)) == (16, groups, warps)
+        assert warps == _warps_at_m16(groups, D.padded_shape(n, k)[1], cfg.steps)
 
 
 def test_ring_config_never_launches_more_ctas_than_sms(seed):
@@ -273,3 +301,7 @@ def test_x_it_cannot_take_is_refused():
                 D.RingConfig(k_warps=4, groups_per_warp=4)):  # more groups than warps per group; odd groups; 4
         with pytest.raises(ValueError, match="groups_per_warp must be 1 or 2"):
             D.decode_ws_gemm(torch.zeros(1, 256, dtype=torch.bfloat16), None, None, None, None, 0, 128, 256, cfg)
+    # 14 x 4 consumer warps and the producer: 1824 threads, which the launch would refuse with an opaque error
+    with pytest.raises(ValueError, match="needs 1824 threads"):
+        D.decode_ws_gemm(torch.zeros(1, 256, dtype=torch.bfloat16), None, None, None, None, 0, 128, 256,
+                         D.RingConfig(groups=14, k_warps=4))

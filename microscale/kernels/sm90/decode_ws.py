@@ -38,6 +38,8 @@ ONE_CTA_PER_SM_BYTES = 116 * 1024
 # us at batch 16 (step (d) 2.473 -> 2.738 ms), where the residual add cost nothing measurable (o_proj 7.6 -> 7.7 us).
 NORM_MAX_M = 8
 PAIRS_MIN_K = 8192  # ring_config: two row groups per consumer warp at M = 9-16 from this K (padded)
+PAIRS_MIN_GROUPS = 8  # ... and from this many row groups per CTA; below it two warps per row group, as up to M = 8
+QUAD_MIN_GROUPS = 12  # ... and from this many, four warps per pair of row groups
 
 
 @dataclass(frozen=True)
@@ -86,14 +88,18 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
     per scheduler leaves its decode's latency exposed. Session 23 (bench/gemm.py --sweep --kernel decode_ws,
     sweep_h200.json runs 23e/23f): NVFP4 M = 1 28672x8192 39.6 -> 36.9 us, 8192x28672 38.6 -> 35.6, 28672x4096
     22.1 -> 20.7, M = 2 40.0 -> 37.1 and 39.0 -> 35.9; MXFP8 M = 1 8192x28672 65.1 -> 58.9; M = 4-8 level
-    (within 1%), 8192x8192 level; at M = 16 one warp stays 1-5% faster. Four warps per row group measured
-    slower than two on every weight tried.
-    At M = 9-16 on rows of PAIRS_MIN_K or more, where the groups pair up, each consumer warp takes two row groups
-    and every other K step (groups_per_warp 2, k_warps 2): the same warps, half the x loads from shared memory,
-    which at 16 rows take 4 times the words' bytes. Session 33 (sweep_h200.json run 33b, interleaved with one
-    group per warp): M = 16 NVFP4 8192x28672 41.2 -> 39.0 us, 4096x14336 15.7 -> 15.3, 8192x8192 15.4 -> 15.0,
-    MXFP4 8192x28672 39.8 -> 37.8, 28672x8192 level to 1% faster; K = 4096 2-4% slower (6144x4096, 4096x4096,
-    28672x4096; MXFP8 too)."""
+    (within 1%), 8192x8192 level; at M = 16 one warp was then 1-5% faster (no longer below 8 groups, below).
+    Four warps per row group measured slower than two on every weight tried (again in session 34, run 34c).
+    At M = 9-16 on rows of PAIRS_MIN_K or more, where a CTA's 8 or more groups pair up, each consumer warp takes two
+    row groups and every other K step (groups_per_warp 2, k_warps 2): the same warps, half the x loads from shared
+    memory, which at 16 rows take 4 times the words' bytes. Session 33 (sweep_h200.json run 33b, interleaved with
+    one group per warp): M = 16 NVFP4 8192x28672 41.2 -> 39.0 us, 8192x8192 15.4 -> 15.0, MXFP4 8192x28672 39.8 ->
+    37.8; K = 4096 2-4% slower (6144x4096, 4096x4096, 28672x4096; MXFP8 too). From QUAD_MIN_GROUPS groups, four
+    warps per pair (k_warps 4), where a stage's steps allow; below PAIRS_MIN_GROUPS two warps per row group at any
+    K. Session 34 (run 34b/34c, ab_alt: interleaved in one process, 3 rounds), M = 16: 28672x8192 (14 groups)
+    NVFP4 39.0 -> 37.8 us, MXFP4 38.8 -> 37.3 (8-group pairs with four warps 2.5-3.8% slower); 4096x14336 (4
+    groups) NVFP4 15.2 -> 13.6, MXFP4 14.1 -> 13.8; 6144x4096 (6) NVFP4 8.93 -> 8.17, MXFP4 9.15 -> 8.31;
+    4096x4096 (4) NVFP4 7.03 -> 6.64; MXFP8 0.5-1.0% faster; M = 9 and 12 alike."""
     groups_total = padded_shape(n, k)[0] // ROW_GROUP
     kt = padded_shape(n, k)[1] // K_STEP
     prefer = 4 if fmt_code == 2 else 8
@@ -105,12 +111,15 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
                 best = (ctas, -abs(groups - prefer)), groups, split
     _, groups, split = best
     block_m = 8 if m <= 8 else 16
-    pairs = block_m == 16 and groups % 2 == 0 and kt * K_STEP >= PAIRS_MIN_K
-    k_warps = 2 if pairs or block_m == 8 and 2 * groups + 1 <= MAX_WARPS else 1
+    pairs = block_m == 16 and groups >= PAIRS_MIN_GROUPS and groups % 2 == 0 and kt * K_STEP >= PAIRS_MIN_K
+    if pairs:
+        k_warps = 4 if groups >= QUAD_MIN_GROUPS and 2 * groups + 1 <= MAX_WARPS else 2
+    else:
+        k_warps = 2 if (block_m == 8 or groups < PAIRS_MIN_GROUPS) and 2 * groups + 1 <= MAX_WARPS else 1
     cfg = RingConfig(block_m=block_m, groups=groups, steps=4, stages=4, split=split, k_warps=k_warps,
                      groups_per_warp=2 if pairs else 1)
     if kt % 4 or cfg.stage_bytes(fmt_code) > MAX_STAGE_BYTES:
-        cfg = replace(cfg, steps=2)
+        cfg = replace(cfg, steps=2, k_warps=min(k_warps, 2))
     return replace(cfg, stages=max(2, min(MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))))
 
 
@@ -210,6 +219,9 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
                          f"split is not a cluster size of 1-8, or k_warps does not divide the steps per stage")
     if cfg.groups_per_warp not in (1, 2) or cfg.groups % cfg.groups_per_warp or cfg.groups_per_warp > cfg.k_warps:
         raise ValueError(f"decode_ws: {cfg}: groups_per_warp must be 1 or 2, divide groups and not exceed k_warps")
+    if threads(cfg, norm is not None) > 32 * MAX_WARPS:
+        raise ValueError(f"decode_ws: {cfg} needs {threads(cfg, norm is not None)} threads (its consumer warps, the "
+                         f"producer{', the norm warp' if norm is not None else ''}), more than {32 * MAX_WARPS}")
     if gated and n % (2 * PAIR_ROWS):
         raise ValueError(f"decode_ws: the gated epilogue needs N = {n} a multiple of {2 * PAIR_ROWS}")
     device = device_index(x.device)
