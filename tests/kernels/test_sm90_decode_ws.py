@@ -257,15 +257,16 @@ def test_ring_config_never_launches_more_ctas_than_sms(seed):
     for _ in range(200):
         n, k = (int(v) * 64 for v in torch.randint(1, 600, (2,), generator=g))
         fmt_code = int(torch.randint(0, 3, (1,), generator=g))
-        cfg = D.ring_config(1, n, k, fmt_code)
         groups = D.padded_shape(n, k)[0] // 16
-        if groups <= 16 * 132:
-            assert -(-groups // cfg.groups) * cfg.split <= 132 and 4 <= cfg.groups <= 16 and cfg.split in D.SPLITS
-        else:  # taller than 16 row groups per SM: several waves, and ring_wins leaves it to the Triton kernel
-            assert (cfg.groups, cfg.split) == (16, 1) and not D.ring_wins(fmt_code, 1, n, k)
-            assert cfg.k_warps == 1  # 2 x 16 consumer warps and the producer: more than 1024 threads
-        assert cfg.threads <= 1024 and cfg.smem_bytes(fmt_code) <= 227 * 1024
-        assert (D.padded_shape(n, k)[1] // 64) % cfg.steps == 0
+        for m in (1, 16):
+            cfg = D.ring_config(m, n, k, fmt_code)
+            if groups <= 16 * 132:
+                assert -(-groups // cfg.groups) * cfg.split <= 132 and 4 <= cfg.groups <= 16 and cfg.split in D.SPLITS
+            else:  # taller than 16 row groups per SM: several waves, and ring_wins leaves it to the Triton kernel
+                assert (cfg.groups, cfg.split) == (16, 1) and not D.ring_wins(fmt_code, m, n, k)
+                assert cfg.k_warps == (2 if m == 16 and cfg.groups_per_warp == 2 else 1)  # 32 warps and the producer
+            assert D.threads(cfg, norm=m <= D.NORM_MAX_M) <= 1024 and cfg.smem_bytes(fmt_code) <= 227 * 1024
+            assert (D.padded_shape(n, k)[1] // 64) % cfg.steps == 0 and cfg.steps % cfg.k_warps == 0
 
 
 def test_ring_wins_where_measured():
