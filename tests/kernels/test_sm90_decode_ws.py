@@ -20,8 +20,8 @@ from microscale.kernels import nvrtc  # noqa: E402
 from microscale.kernels.sm90 import decode_ws as D  # noqa: E402
 from microscale.kernels.sm90.decode import FMT_CODE  # noqa: E402
 
-# ring_config's choices for the benchmark's weights (two consumer warps per row group up to M = 8), and the tilings
-# of test_sm90_gemm.py
+# tilings of ring_config's for the benchmark's and the Llama decoder's weights (M = 1-16, by _warps' rule) and of
+# test_sm90_gemm.py
 CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1, k_warps=2), D.RingConfig(groups=8, split=2, k_warps=2),
            D.RingConfig(block_m=16, groups=14, steps=4, stages=3, split=1),
            D.RingConfig(block_m=16, groups=4, split=1), D.RingConfig(steps=2, stages=2, split=1),
@@ -215,41 +215,47 @@ def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkey
     (4096, 4096 + 128, "nvfp4", D.RingConfig(groups=4, steps=2, stages=8, split=2)),  # 66 steps: 2 per stage
 ])
 def test_ring_config_fills_the_sms_with_one_cta_each(n, k, fmt, want):
-    """want: the tiling at M = 1 but for its two consumer warps per row group (up to M = 8). At M = 16: two warps per
-    row group below 8 groups; from 8, where the groups pair up and K is long, each warp takes two row groups and
-    every other K step (groups_per_warp 2, k_warps 2), from 12 groups every fourth (k_warps 4) where a stage's steps
-    allow; otherwise one warp per row group."""
+    """want: the tiling at M = 1 but for its consumer warps (_warps below), at M = 1, 8 and 16; at M = 16 also the
+    tiling of one more row group per CTA."""
     for m in (1, 8):
-        assert D.ring_config(m, n, k, FMT_CODE[fmt]) == dataclasses.replace(want, k_warps=2)
+        cfg = D.ring_config(m, n, k, FMT_CODE[fmt])
+        assert dataclasses.replace(cfg, k_warps=1) == want
+        assert (cfg.k_warps, cfg.groups_per_warp) == _warps(8, want.groups, D.padded_shape(n, k)[1], cfg.steps, fmt)
     for groups in (want.groups, want.groups + 1):
         sms = -(-D.padded_shape(n, k)[0] // (16 * groups)) * want.split  # the tiling that fills them: groups
         wide = D.ring_config(16, n, k, FMT_CODE[fmt], sms)
         assert (wide.block_m, wide.groups, wide.split) == (16, groups, want.split)
-        assert (wide.k_warps, wide.groups_per_warp) == _warps_at_m16(groups, D.padded_shape(n, k)[1], wide.steps)
+        assert (wide.k_warps, wide.groups_per_warp) == _warps(16, groups, D.padded_shape(n, k)[1], wide.steps, fmt)
 
 
-def _warps_at_m16(groups, k_padded, steps):
-    """(k_warps, groups_per_warp) of the M = 16 rule in ring_config's docstring."""
+def _warps(block_m, groups, k_padded, steps, fmt):
+    """(k_warps, groups_per_warp) by the rule in ring_config's docstring (runs 33b, 34b-34h), for at most 15 groups."""
     if groups < 8:
-        return 2, 1
-    if groups % 2 == 0 and k_padded >= 8192:
+        return 2, 1  # few row groups: two warps each
+    if k_padded < 8192:
+        return (2 if block_m == 8 else 1), 1
+    if block_m == 8:
+        return (2 if fmt == "mxfp8" else 1), 1
+    if groups % 2 == 0:  # pairs of row groups
         return (4 if groups >= 12 and steps % 4 == 0 else 2), 2
     return 1, 1
 
 
-@pytest.mark.parametrize("n,k,fmt,groups,warps", [
-    (4096, 14336, "nvfp4", 4, (2, 1)), (6144, 4096, "mxfp4", 6, (2, 1)), (8192, 8192, "mxfp8", 4, (2, 1)),
-    (8192, 8192, "nvfp4", 8, (2, 2)), (8192, 4096, "nvfp4", 8, (1, 1)),  # K = 4096: no pairs
-    (25344, 8192, "nvfp4", 12, (4, 2)), (26624, 8192, "nvfp4", 13, (1, 1)),  # 12 x 132, 13 x 128 row groups
-    (28672, 8192, "mxfp4", 14, (4, 2)), (28672, 4096, "nvfp4", 14, (1, 1)),
-    (28672, 8192, "mxfp8", 14, (2, 2)),  # 2 steps per stage (a 4-step stage passes MAX_STAGE_BYTES)
+@pytest.mark.parametrize("n,k,fmt,groups,warps,warps_m8", [
+    (4096, 14336, "nvfp4", 4, (2, 1), (2, 1)), (6144, 4096, "mxfp4", 6, (2, 1), (2, 1)),
+    (8192, 8192, "mxfp8", 4, (2, 1), (2, 1)), (8192, 8192, "nvfp4", 8, (2, 2), (1, 1)),
+    (8192, 4096, "nvfp4", 8, (1, 1), (2, 1)),  # K = 4096: no pairs, two warps up to M = 8
+    (25344, 8192, "nvfp4", 12, (4, 2), (1, 1)), (26624, 8192, "nvfp4", 13, (1, 1), (1, 1)),  # 12 x 132, 13 x 128
+    (28672, 8192, "mxfp4", 14, (4, 2), (1, 1)), (28672, 4096, "nvfp4", 14, (1, 1), (2, 1)),
+    (28672, 8192, "mxfp8", 14, (2, 2), (2, 1)),  # 2 steps per stage (a 4-step stage passes MAX_STAGE_BYTES)
 ])
-def test_ring_config_warps_at_m16(n, k, fmt, groups, warps):
-    """At M = 9-16 the consumer warps follow the CTA's row groups (sweep_h200.json runs 34b/34c)."""
-    for m in (9, 16):
+def test_ring_config_consumer_warps(n, k, fmt, groups, warps, warps_m8):
+    """The consumer warps follow the CTA's row groups, K and M (sweep_h200.json runs 34b-34h), written out by hand
+    here and checked against _warps."""
+    for m, want in ((1, warps_m8), (8, warps_m8), (9, warps), (16, warps)):
         cfg = D.ring_config(m, n, k, FMT_CODE[fmt])
-        assert (cfg.block_m, cfg.groups, (cfg.k_warps, cfg.groups_per_warp)) == (16, groups, warps)
-        assert warps == _warps_at_m16(groups, D.padded_shape(n, k)[1], cfg.steps)
+        assert (cfg.groups, (cfg.k_warps, cfg.groups_per_warp)) == (groups, want), m
+        assert want == _warps(cfg.block_m, groups, D.padded_shape(n, k)[1], cfg.steps, fmt)
 
 
 def test_ring_config_never_launches_more_ctas_than_sms(seed):

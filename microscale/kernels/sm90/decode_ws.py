@@ -37,9 +37,12 @@ ONE_CTA_PER_SM_BYTES = 116 * 1024
 # than the Inductor norm kernel it removes (step (e) 1.989 / 1.988 -> 1.952 / 1.946 ms, run 25a), but 23.1 -> 33.6
 # us at batch 16 (step (d) 2.473 -> 2.738 ms), where the residual add cost nothing measurable (o_proj 7.6 -> 7.7 us).
 NORM_MAX_M = 8
-PAIRS_MIN_K = 8192  # ring_config: two row groups per consumer warp at M = 9-16 from this K (padded)
-PAIRS_MIN_GROUPS = 8  # ... and from this many row groups per CTA; below it two warps per row group, as up to M = 8
-QUAD_MIN_GROUPS = 12  # ... and from this many, four warps per pair of row groups
+# ring_config's consumer warps per row group follow the CTA's row groups and K (padded): below FEW_GROUPS two warps
+# per row group; from it, on rows of LONG_K or more, one warp per row group up to M = 8 (FP4) and at M = 9-16 one warp
+# per two row groups (two warps per pair, four from QUAD_GROUPS)
+FEW_GROUPS = 8
+LONG_K = 8192
+QUAD_GROUPS = 12
 
 
 @dataclass(frozen=True)
@@ -84,22 +87,26 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
     The choices the H200 sweeps of session 18 found fastest (bench/results/sweep_h200.json, runs 18c-18e):
     28672x8192 and 28672x4096 14 groups, split 1; 8192x8192 and 8192x28672 8 groups, split 2 (MXFP8: 4,
     split 1); 6144x4096 6, split 2; 4096x4096 4, split 2.
-    Up to M = 8 two consumer warps per row group (k_warps), where the CTA holds at most 15 row groups: one warp
-    per scheduler leaves its decode's latency exposed. Session 23 (bench/gemm.py --sweep --kernel decode_ws,
-    sweep_h200.json runs 23e/23f): NVFP4 M = 1 28672x8192 39.6 -> 36.9 us, 8192x28672 38.6 -> 35.6, 28672x4096
-    22.1 -> 20.7, M = 2 40.0 -> 37.1 and 39.0 -> 35.9; MXFP8 M = 1 8192x28672 65.1 -> 58.9; M = 4-8 level
-    (within 1%), 8192x8192 level; at M = 16 one warp was then 1-5% faster (no longer below 8 groups, below).
-    Four warps per row group measured slower than two on every weight tried (again in session 34, run 34c).
-    At M = 9-16 on rows of PAIRS_MIN_K or more, where a CTA's 8 or more groups pair up, each consumer warp takes two
-    row groups and every other K step (groups_per_warp 2, k_warps 2): the same warps, half the x loads from shared
-    memory, which at 16 rows take 4 times the words' bytes. Session 33 (sweep_h200.json run 33b, interleaved with
-    one group per warp): M = 16 NVFP4 8192x28672 41.2 -> 39.0 us, 8192x8192 15.4 -> 15.0, MXFP4 8192x28672 39.8 ->
-    37.8; K = 4096 2-4% slower (6144x4096, 4096x4096, 28672x4096; MXFP8 too). From QUAD_MIN_GROUPS groups, four
-    warps per pair (k_warps 4), where a stage's steps allow; below PAIRS_MIN_GROUPS two warps per row group at any
-    K. Session 34 (run 34b/34c, ab_alt: interleaved in one process, 3 rounds), M = 16: 28672x8192 (14 groups)
-    NVFP4 39.0 -> 37.8 us, MXFP4 38.8 -> 37.3 (8-group pairs with four warps 2.5-3.8% slower); 4096x14336 (4
-    groups) NVFP4 15.2 -> 13.6, MXFP4 14.1 -> 13.8; 6144x4096 (6) NVFP4 8.93 -> 8.17, MXFP4 9.15 -> 8.31;
-    4096x4096 (4) NVFP4 7.03 -> 6.64; MXFP8 0.5-1.0% faster; M = 9 and 12 alike."""
+    Consumer warps (k_warps warps per row group, each taking every k_warps-th K step of a stage, their partials
+    summed through shared memory in warp order; groups_per_warp row groups per warp, sharing x's registers):
+    - Two warps per row group where the CTA holds fewer than FEW_GROUPS row groups, at any M: one warp per
+      scheduler leaves its decode's latency exposed. Session 34 (sweep_h200.json runs 34b/34c: ab_alt, the tilings
+      interleaved in one process, 3 rounds), M = 16 against one warp: NVFP4 4096x14336 15.2 -> 13.6 us, 6144x4096
+      8.93 -> 8.17, 4096x4096 7.03 -> 6.64, MXFP4 4096x14336 14.1 -> 13.8, 6144x4096 9.15 -> 8.31, MXFP8 0.5-1.0%
+      faster; M = 1-8: four warps 2.5-8.5% slower, one 4.7-10% slower.
+    - Up to M = 8 two warps per row group on larger CTAs too, but for FP4 on rows of LONG_K or more, where one is
+      0.6-2.1% faster (run 34g/34h: NVFP4 M = 1 8192x8192 13.38 -> 13.16 us, 8192x28672 36.35 -> 36.05, 28672x8192
+      36.89 -> 36.68, M = 8 13.54 -> 13.26, 35.62 -> 35.42, 36.99 -> 36.57; MXFP4 M = 1 8192x8192 -1.2%). Session 23
+      had found two warps faster there (runs 23e/23f, NVFP4 M = 1 28672x8192 39.6 -> 36.9 us) before the consumers'
+      addresses went opaque and the words and scales side by side (session 27); at K = 4096 (28672x4096, the Llama
+      gate/up) two warps stay.
+    - At M = 9-16 on rows of LONG_K or more, where the CTA's FEW_GROUPS or more row groups pair up, each warp takes
+      two row groups and every other K step (groups_per_warp 2, k_warps 2): the same warps, half the x loads from
+      shared memory, which at 16 rows take 4 times the words' bytes (session 33, run 33b: M = 16 NVFP4 8192x28672
+      41.2 -> 39.0 us, 8192x8192 15.4 -> 15.0, MXFP4 8192x28672 39.8 -> 37.8; at K = 4096 2-4% slower). From
+      QUAD_GROUPS row groups four warps per pair (k_warps 4) where a stage's steps allow (run 34b: 28672x8192 NVFP4
+      39.0 -> 37.8 us, MXFP4 38.8 -> 37.3; on 8-group tilings 2.5-3.8% slower).
+    - Otherwise one warp per row group (M = 9-16: 28672x4096's 14 groups level either way, run 34b)."""
     groups_total = padded_shape(n, k)[0] // ROW_GROUP
     kt = padded_shape(n, k)[1] // K_STEP
     prefer = 4 if fmt_code == 2 else 8
@@ -111,11 +118,13 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
                 best = (ctas, -abs(groups - prefer)), groups, split
     _, groups, split = best
     block_m = 8 if m <= 8 else 16
-    pairs = block_m == 16 and groups >= PAIRS_MIN_GROUPS and groups % 2 == 0 and kt * K_STEP >= PAIRS_MIN_K
+    few, long_k = groups < FEW_GROUPS, kt * K_STEP >= LONG_K
+    pairs = block_m == 16 and not few and long_k and groups % 2 == 0
     if pairs:
-        k_warps = 4 if groups >= QUAD_MIN_GROUPS and 2 * groups + 1 <= MAX_WARPS else 2
+        k_warps = 4 if groups >= QUAD_GROUPS and 2 * groups + 1 <= MAX_WARPS else 2
     else:
-        k_warps = 2 if (block_m == 8 or groups < PAIRS_MIN_GROUPS) and 2 * groups + 1 <= MAX_WARPS else 1
+        two = few or block_m == 8 and not (long_k and fmt_code != 2)
+        k_warps = 2 if two and 2 * groups + 1 <= MAX_WARPS else 1
     cfg = RingConfig(block_m=block_m, groups=groups, steps=4, stages=4, split=split, k_warps=k_warps,
                      groups_per_warp=2 if pairs else 1)
     if kt % 4 or cfg.stage_bytes(fmt_code) > MAX_STAGE_BYTES:
