@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, ".")
+sys.path.append(".")  # after PYTHONPATH, so that a tree named there is the microscale imported
 from bench.gemm import _copies, _env, _time_graph, _weights  # noqa: E402
 from microscale.kernels import sm90  # noqa: E402
 from microscale.kernels.sm90 import launch as paths  # noqa: E402

@@ -494,7 +494,7 @@ def main():
         if args.plot:
             plot(results, args.plot)
         return
-    sys.path.insert(0, os.getcwd())
+    sys.path.append(os.getcwd())  # after PYTHONPATH, so that a tree named there is the microscale imported
     torch.manual_seed(0)
     formats = args.formats.split(",")
     ms = [int(m) for m in args.ms.split(",")]
