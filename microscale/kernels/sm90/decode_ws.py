@@ -119,12 +119,13 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
     _, groups, split = best
     block_m = 8 if m <= 8 else 16
     few, long_k = groups < FEW_GROUPS, kt * K_STEP >= LONG_K
+    room = 2 * groups + 1 <= MAX_WARPS  # two warps per row group (four per pair) and the producer fit in a CTA
     pairs = block_m == 16 and not few and long_k and groups % 2 == 0
     if pairs:
-        k_warps = 4 if groups >= QUAD_GROUPS and 2 * groups + 1 <= MAX_WARPS else 2
+        k_warps = 4 if groups >= QUAD_GROUPS and room else 2
     else:
         two = few or block_m == 8 and not (long_k and fmt_code != 2)
-        k_warps = 2 if two and 2 * groups + 1 <= MAX_WARPS else 1
+        k_warps = 2 if two and room else 1
     cfg = RingConfig(block_m=block_m, groups=groups, steps=4, stages=4, split=split, k_warps=k_warps,
                      groups_per_warp=2 if pairs else 1)
     if kt % 4 or cfg.stage_bytes(fmt_code) > MAX_STAGE_BYTES:
