@@ -7,13 +7,16 @@ Per format and shape, in one process: our kernel (the one dispatch picks), cuBLA
 torch._scaled_mm FP8 with row-wise scales, and for M <= 16 the eager "dequantize, then matmul".
 Times are per call, from CUDA-graph replays of back-to-back calls (median of 10 replays), with the
 weight buffers of every contender rotated over copies totalling more than the L2, on fresh random
-data; ours and cuBLAS bf16 are timed twice, interleaved, and each keeps its faster run.
+data; ours and cuBLAS bf16 are timed twice, interleaved, and each keeps its faster run. Our decode
+kernels are also timed as programmatic dependent launches (pdl_us), as a decode step under
+TORCHINDUCTOR_ENABLE_PDL=1 launches them; the plain launch is the headline figure.
 The eager dequantize-then-matmul (not capturable) uses triton.testing.do_bench.
 Also: the quantize kernel (bytes read + written against the copy ceiling), the decode-kernel tile
 sweep (--sweep) and the large-M alternatives (dequant+cuBLAS full or chunked, FP8).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -31,6 +34,7 @@ FP8_TFLOPS = 1225.0  # _scaled_mm row-wise 8192^3
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 4096, 8192]
 SHAPES = [(8192, 8192), (28672, 8192), (8192, 28672), (4096, 4096)]
 FORMATS = ["nvfp4", "mxfp4", "mxfp8"]
+PDL_KERNELS = ("decode", "decode_ws")  # the kernels that can go out as programmatic dependent launches
 ROTATE_BYTES = 256 << 20  # rotate weight copies until they exceed this (the H200 L2 is 60 MB)
 
 
@@ -72,6 +76,23 @@ def _time_graph(call, copies, replays=10, calls=8):
     return sorted(times)[len(times) // 2]
 
 
+@contextlib.contextmanager
+def _programmatic(on: bool):
+    """Our decode kernels launched as programmatic dependent launches (MICROSCALE_PDL=1) or plain ones (0): under
+    PDL a call's launch and first weight loads overlap the call before it, as between the GEMMs of a decode step
+    whose kernels all release early (bench/e2e.py way (e)); cuBLAS cannot be launched so."""
+    from microscale.kernels.sm90.launch import PDL_ENV
+    old = os.environ.get(PDL_ENV)
+    os.environ[PDL_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[PDL_ENV]
+        else:
+            os.environ[PDL_ENV] = old
+
+
 def _env():
     import triton
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -105,16 +126,25 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
         opts = {"fp8_activations": True} if kernels == "fp8" else {}
         kernel = kernels or sm90.choose_kernel(fmt, m, opts, x.dtype, torch.cuda.get_device_capability(), n, k=k)
         rec["backend"] = f"sm90:{kernel}"
-        reps = dict(replays=10, calls=8) if m <= 64 else dict(replays=5, calls=2)  # long calls: fewer
+        # a replay costs about 3 us more than its calls (the graph's launch): 32 short calls amortize it as a
+        # decode step's hundreds of kernels do (session 35: 8 calls put 0.3-0.5 us on every contender)
+        reps = dict(replays=10, calls=32) if m <= 64 else dict(replays=5, calls=2)  # long calls: fewer
+        ours_call = lambda p: sm90.gemm(x, *p, None, fmt=fmt, n=n, k=k, options={"kernel": kernel})
+        pdl = m <= 64 and kernel in PDL_KERNELS
         # ours and cuBLAS bf16 timed twice, interleaved, each keeping its faster run, so one
         # slow stretch of the GPU inflates neither side of the ratio (seen once: cuBLAS 121 us, not 110)
-        ours, bf16 = [], []
+        ours, ours_pdl, bf16 = [], [], []
         for _ in range(2):
-            ours.append(_time_graph(lambda p: sm90.gemm(x, *p, None, fmt=fmt, n=n, k=k, options={"kernel": kernel}),
-                                    preps, **reps))
+            with _programmatic(False):
+                ours.append(_time_graph(ours_call, preps, **reps))
+            if pdl:
+                with _programmatic(True):
+                    ours_pdl.append(_time_graph(ours_call, preps, **reps))
             if peers:
                 bf16.append(_time_graph(lambda wb: F.linear(x, wb), ws, **reps))
         rec["us"] = min(ours)
+        if pdl:
+            rec["pdl_us"] = min(ours_pdl)
         if peers:
             rec["bf16_us"] = min(bf16)
             xs = (x.float().abs().amax(1, keepdim=True) / 448).clamp_min(1e-12)
@@ -128,6 +158,8 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
             if m <= 16:
                 rec["eager_us"] = _bench(lambda: F.linear(x, q.dequantize(torch.bfloat16)), rep=20)
             rec["speedup_vs_bf16"] = rec["bf16_us"] / rec["us"]
+            if pdl:
+                rec["speedup_pdl_vs_bf16"] = rec["bf16_us"] / rec["pdl_us"]
         moved = nbytes_q + 2 * m * k + 2 * m * n  # the fewest bytes: quantized weights once, x, y
         rec["tbps"] = moved / rec["us"] * 1e-6
         rec["tflops"] = 2 * m * n * k / rec["us"] * 1e-6
@@ -255,9 +287,9 @@ def _key_results(results: dict) -> list:
     from microscale.kernels import sm90
     g = {(r["format"], r["M"], r["N"], r["K"], r["backend"]): r for r in results["gemm"]}
 
-    def sp(fmt, m, n, k, kernel="sm90:decode"):
+    def sp(fmt, m, n, k, kernel="sm90:decode", field="speedup_vs_bf16"):
         r = g.get((fmt, m, n, k, kernel))
-        return None if r is None else r.get("speedup_vs_bf16")
+        return None if r is None else r.get(field)
 
     def fx(v):
         return "-" if v is None else f"{v:.2f}x"
@@ -280,7 +312,9 @@ def _key_results(results: dict) -> list:
     rows = ["## Key results against the targets", "",
             "Decode rows: the kernel the dispatch takes at each M (in brackets after the speed-up), then the Triton "
             "decode kernel alone. Speed-up over cuBLAS bf16 in the same record, and over the fastest cuBLAS bf16 "
-            "time of that shape at M <= 16 in these records.", "",
+            "time of that shape at M <= 16 in these records; PDL: ours launched as programmatic dependent launches "
+            "(MICROSCALE_PDL=1, as in bench/e2e.py way (e)) against the same cuBLAS time, in records that have it.",
+            "",
             "| target | measured |", "|---|---|"]
     decode_targets = {"nvfp4": [((28672, 8192), 3.2), ((8192, 28672), 3.2), ((8192, 8192), 3.0)],
                       "mxfp4": [((28672, 8192), 3.4), ((8192, 28672), 3.4)],
@@ -295,8 +329,10 @@ def _key_results(results: dict) -> list:
                 m1, m16 = sp(fmt, 1, n, k, kernels[0]), sp(fmt, 16, n, k, kernels[1])
                 f1, f16 = sp_fastest(fmt, 1, n, k, kernels[0]), sp_fastest(fmt, 16, n, k, kernels[1])
                 ratio = None if not (f1 and f16) else f16 / f1
+                p1, p16 = (sp(fmt, m, n, k, kern, "speedup_pdl_vs_bf16") for m, kern in ((1, kernels[0]), (16, kernels[1])))
+                pdl = "" if p1 is None or p16 is None else f"; PDL: M=1 {fx(p1)}, M=16 {fx(p16)} ({p16 / p1:.0%})"
                 rows.append(f"| {label} | M=1 {fx(m1)} ({fx(f1)}; {kernels[0][5:]}), M=16 {fx(m16)} ({fx(f16)}; "
-                            f"{kernels[1][5:]}; {'-' if ratio is None else f'{ratio:.0%}'} of M=1) |")
+                            f"{kernels[1][5:]}; {'-' if ratio is None else f'{ratio:.0%}'} of M=1){pdl} |")
     large = [r for r in results["gemm"] if r["M"] >= 1024 and r["backend"] in ("sm90:wgmma_ws", "sm90:dequant")]
     for backend, label in (("sm90:wgmma_ws", "fused wgmma_ws"), ("sm90:dequant", "dequant + cuBLAS")):
         by_m = {}
@@ -357,8 +393,9 @@ def write_table(results: dict, path="BENCHMARKS.md"):
     lines += [
         "## GEMM (y = x @ W^T, x bf16 [M, K], W [N, K] quantized)",
         "",
-        "| format | M | N | K | kernel | us | cuBLAS bf16 us | fp8 _scaled_mm us | eager dequant us | x bf16 | TB/s | TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| format | M | N | K | kernel | us | cuBLAS bf16 us | fp8 _scaled_mm us | eager dequant us | x bf16 | TB/s | "
+        "TFLOP/s | PDL us | PDL x bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, d=1):
@@ -367,7 +404,8 @@ def write_table(results: dict, path="BENCHMARKS.md"):
     for r in results["gemm"]:
         lines.append(f"| {r['format']} | {r['M']} | {r['N']} | {r['K']} | {r['backend']} | {f(r['us'])} | "
                      f"{f(r.get('bf16_us'))} | {f(r.get('fp8_us'))} | {f(r.get('eager_us'), 0)} | "
-                     f"{f(r.get('speedup_vs_bf16'), 2)} | {f(r['tbps'], 2)} | {f(r['tflops'], 0)} |")
+                     f"{f(r.get('speedup_vs_bf16'), 2)} | {f(r['tbps'], 2)} | {f(r['tflops'], 0)} | "
+                     f"{f(r.get('pdl_us'))} | {f(r.get('speedup_pdl_vs_bf16'), 2)} |")
     if results.get("quantize"):
         lines += ["", "## Quantize kernel (8192 x 8192 bf16)", "",
                   "| format | global scale | us | TB/s (read + written) | of copy ceiling |", "|---|---|---|---|---|"]
@@ -440,8 +478,8 @@ def merge_results(old, new):
 
 
 def main():
-    # our kernels as plain launches: back to back, a programmatic dependent launch would overlap each call
-    # with the one before it (the same kernel), which cuBLAS, timed beside them, does not get
+    # "us" and the sweeps time our kernels as plain launches, as cuBLAS's: back to back, a programmatic
+    # dependent launch overlaps each call with the one before it; bench_shape times that apart ("pdl_us")
     os.environ["MICROSCALE_PDL"] = "0"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="results JSON to write")

@@ -336,9 +336,10 @@ def _write_late(src, dst, n, SLEEPS: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
 
 
-@pytest.mark.parametrize("kernel,m,n", [("decode", 1, 1000), ("decode", 8, 4096), ("decode_ws", 4, 8192),
-                                        ("decode_ws", 1, 4096)])
-def test_programmatic_launch_reads_x_only_after_the_kernel_that_writes_it(kernel, m, n, seed, monkeypatch):
+@pytest.mark.parametrize("kernel,fmt,m,n", [("decode", "nvfp4", 1, 1000), ("decode", "nvfp4", 8, 4096),
+                                            ("decode", "mxfp8", 1, 8192), ("decode_ws", "nvfp4", 4, 8192),
+                                            ("decode_ws", "nvfp4", 1, 4096)])
+def test_programmatic_launch_reads_x_only_after_the_kernel_that_writes_it(kernel, fmt, m, n, seed, monkeypatch):
     """As programmatic dependent launches (MICROSCALE_PDL=1) the decode kernels start beside the kernel before
     them; here that kernel releases them at once and writes x about 20 us later over NaNs. A kernel that read
     x (or wrote y, or the split-K workspace) before griddepcontrol.wait would give NaNs or wrong sums."""
@@ -346,7 +347,7 @@ def test_programmatic_launch_reads_x_only_after_the_kernel_that_writes_it(kernel
     from microscale.kernels.sm90.decode import FMT_CODE
     monkeypatch.setenv("MICROSCALE_PDL", "1")
     k = 2048
-    x, q, b, y64, mag = _case("nvfp4", m, n, k, torch.bfloat16, seed)
+    x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
     prep = prepare(q)
     staged = torch.empty_like(x)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -357,9 +358,9 @@ def test_programmatic_launch_reads_x_only_after_the_kernel_that_writes_it(kernel
         ws.fill_(float("nan"))
         _write_late[(triton.cdiv(x.numel(), 1024),)](x, staged, x.numel(), SLEEPS=20, BLOCK=1024)
         if kernel == "decode":
-            paths.decode_gemm(staged, *prep, b, FMT_CODE["nvfp4"], n, k, out=y, workspace=ws)
+            paths.decode_gemm(staged, *prep, b, FMT_CODE[fmt], n, k, out=y, workspace=ws)
         else:
-            D.decode_ws_gemm(staged, *prep, b, FMT_CODE["nvfp4"], n, k, out=y)
+            D.decode_ws_gemm(staged, *prep, b, FMT_CODE[fmt], n, k, out=y)
         _check(y, y64, mag, k, torch.bfloat16)
 
 
