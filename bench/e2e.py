@@ -52,7 +52,6 @@ between the E2E markers of that file (appended when absent).
 """
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -68,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from microscale import fuse_gated, fuse_linears, quantize_model
-from microscale.kernels.sm90.launch import PDL_ENV, device_index, programmatic_launch, sm_count
+from microscale.kernels.sm90.launch import device_index, programmatic_launch, programmatic_launches, sm_count
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s modules, also when loaded by path
 from decode_attention import attention_splits, decode_attention  # noqa: E402
@@ -274,21 +273,6 @@ def fuse_projections(model) -> list:
         return fused
     return [(fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")), fuse(layer.mlp, ("gate_proj", "up_proj"), True))
             for layer in model.model.layers]
-
-
-@contextlib.contextmanager
-def programmatic_launches(on: bool):
-    """microscale's decode kernels as programmatic dependent launches inside, or not (Inductor's follow
-    TORCHINDUCTOR_ENABLE_PDL, which main checks against the ways)."""
-    old = os.environ.get(PDL_ENV)
-    os.environ[PDL_ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[PDL_ENV]
-        else:
-            os.environ[PDL_ENV] = old
 
 
 def measure_graph_decode(model, batch: int, prompt_len: int, steps: int, check_tokens: int = 8,

@@ -16,7 +16,6 @@ sweep (--sweep) and the large-M alternatives (dequant+cuBLAS full or chunked, FP
 """
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -76,23 +75,6 @@ def _time_graph(call, copies, replays=10, calls=8):
     return sorted(times)[len(times) // 2]
 
 
-@contextlib.contextmanager
-def _programmatic(on: bool):
-    """Our decode kernels launched as programmatic dependent launches (MICROSCALE_PDL=1) or plain ones (0): under
-    PDL a call's launch and first weight loads overlap the call before it, as between the GEMMs of a decode step
-    whose kernels all release early (bench/e2e.py way (e)); cuBLAS cannot be launched so."""
-    from microscale.kernels.sm90.launch import PDL_ENV
-    old = os.environ.get(PDL_ENV)
-    os.environ[PDL_ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[PDL_ENV]
-        else:
-            os.environ[PDL_ENV] = old
-
-
 def _env():
     import triton
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -110,6 +92,7 @@ def _weights(n, k, fmt, seed):
 def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
     """Records for one format and (N, K) over the M values."""
     from microscale.kernels import sm90
+    from microscale.kernels.sm90.launch import programmatic_launches
     w, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
     nbytes_q = sum(t.numel() * t.element_size() for t in prep)
@@ -133,12 +116,14 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
         pdl = m <= 64 and kernel in PDL_KERNELS
         # ours and cuBLAS bf16 timed twice, interleaved, each keeping its faster run, so one
         # slow stretch of the GPU inflates neither side of the ratio (seen once: cuBLAS 121 us, not 110)
+        # pdl_us: as programmatic dependent launches, each call's launch and first weight loads overlap the call
+        # before it, as between the GEMMs of bench/e2e.py way (e); cuBLAS cannot be launched so
         ours, ours_pdl, bf16 = [], [], []
         for _ in range(2):
-            with _programmatic(False):
+            with programmatic_launches(False):
                 ours.append(_time_graph(ours_call, preps, **reps))
             if pdl:
-                with _programmatic(True):
+                with programmatic_launches(True):
                     ours_pdl.append(_time_graph(ours_call, preps, **reps))
             if peers:
                 bf16.append(_time_graph(lambda wb: F.linear(x, wb), ws, **reps))

@@ -179,6 +179,27 @@ def test_decode_kernels_launch_programmatically_as_inductor_does_unless_told(mon
         launch.programmatic_launch(None)
 
 
+@pytest.mark.parametrize("before", [None, "0", "1", ""])
+def test_programmatic_launches_switches_inside_and_restores_after(before, monkeypatch):
+    """programmatic_launches(on) forces the launches inside the block and leaves MICROSCALE_PDL as it found it,
+    unset included, also when the block raises."""
+    import os
+    from microscale.kernels.sm90 import launch
+    monkeypatch.setattr(launch.torch.cuda, "get_device_capability", lambda device: (9, 0))
+    if before is None:
+        monkeypatch.delenv(launch.PDL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(launch.PDL_ENV, before)
+    for on in (True, False):
+        with launch.programmatic_launches(on):
+            assert launch.programmatic_launch(None) is on
+        assert os.environ.get(launch.PDL_ENV) == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with launch.programmatic_launches(True):
+            raise RuntimeError("inside")
+    assert os.environ.get(launch.PDL_ENV) == before
+
+
 def test_pack_params_lays_out_each_argument_by_value():
     """cuLaunchKernelEx reads parameter i from pointer i: a tensor map's 128 bytes, a pointer as 8 bytes,
     numpy scalars at their own width."""

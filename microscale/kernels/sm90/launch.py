@@ -12,6 +12,7 @@
 All take the tensors `prepare` made (layout.shuffle_weights) and return y [M, N] in x's dtype.
 """
 
+import contextlib
 import functools
 import math
 import os
@@ -165,6 +166,21 @@ def programmatic_launch(device: torch.device) -> bool:
     inductor = sys.modules.get("torch._inductor.config")  # not imported: Inductor compiles nothing here
     wanted = forced == "1" if forced in ("0", "1") else inductor is not None and inductor.triton.enable_pdl
     return wanted and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@contextlib.contextmanager
+def programmatic_launches(on: bool):
+    """Inside, the decode kernels go out as programmatic dependent launches (on) or plain ones, whatever
+    MICROSCALE_PDL said before; after, it says that again (unset if it was)."""
+    old = os.environ.get(PDL_ENV)
+    os.environ[PDL_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[PDL_ENV]
+        else:
+            os.environ[PDL_ENV] = old
 
 
 _TICKETS: dict = {}
