@@ -158,8 +158,8 @@ def programmatic_launch(device: torch.device) -> bool:
     touches anything else; it releases the next kernel once its K loop is done. It gains where the kernels
     around it do the same, as Inductor's do with TORCHINDUCTOR_ENABLE_PDL=1 (bench/e2e.py way (e)), so it
     follows Inductor's setting unless MICROSCALE_PDL is 1 or 0. Back to back with itself (bench/gemm.py's pdl_us,
-    session 35) decode_ws ran 4-21% faster than as plain launches (NVFP4 M = 1 8192x8192 12.8 -> 11.3 us,
-    28672x8192 36.8 -> 34.6); the Triton decode kernel within +-3%."""
+    session 35) decode_ws ran 2-21% faster than as plain launches (NVFP4 M = 1 8192x8192 12.8 -> 11.3 us,
+    28672x8192 36.8 -> 34.6); the Triton decode kernel from 4% slower to 7% faster."""
     forced = os.environ.get(PDL_ENV)
     if forced not in (None, "", "0", "1"):
         raise ValueError(f"{PDL_ENV}={forced!r}: 1 (programmatic launches), 0 (plain ones) or unset (as Inductor's)")
