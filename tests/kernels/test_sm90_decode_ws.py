@@ -207,12 +207,12 @@ def test_build_checks_the_shared_memory_size_against_the_source(tmp_path, monkey
 
 
 @pytest.mark.parametrize("n,k,fmt,want", [
-    (28672, 8192, "nvfp4", D.RingConfig(groups=14, steps=4, stages=3, split=1)),  # 128 tiles of 14 row groups
+    (28672, 8192, "nvfp4", D.RingConfig(groups=14, steps=2, stages=5, split=1)),  # 128 tiles of 14 row groups
     (8192, 28672, "nvfp4", D.RingConfig(groups=8, steps=4, stages=4, split=2)),  # 64 tiles x 2 parts
     (8192, 8192, "mxfp8", D.RingConfig(groups=4, steps=4, stages=4, split=1)),  # the tie goes to 4 groups
     (6144, 4096, "mxfp8", D.RingConfig(groups=6, steps=4, stages=4, split=2)),
     (28672, 8192, "mxfp8", D.RingConfig(groups=14, steps=2, stages=4, split=1)),  # 4 steps: a 62 KB stage
-    (4096, 4096 + 128, "nvfp4", D.RingConfig(groups=4, steps=2, stages=8, split=2)),  # 66 steps: 2 per stage
+    (4096, 4096 + 128, "nvfp4", D.RingConfig(groups=4, steps=2, stages=5, split=2)),  # 66 steps: 2 per stage
 ])
 def test_ring_config_fills_the_sms_with_one_cta_each(n, k, fmt, want):
     """want: the tiling at M = 1 but for its consumer warps (_warps below), at M = 1, 8 and 16; at M = 16 also the
@@ -226,6 +226,18 @@ def test_ring_config_fills_the_sms_with_one_cta_each(n, k, fmt, want):
         wide = D.ring_config(16, n, k, FMT_CODE[fmt], sms)
         assert (wide.block_m, wide.groups, wide.split) == (16, groups, want.split)
         assert (wide.k_warps, wide.groups_per_warp) == _warps(16, groups, D.padded_shape(n, k)[1], wide.steps, fmt)
+
+
+@pytest.mark.parametrize("m,norm,want", [(1, False, (2, 5)), (8, False, (2, 5)), (1, True, (4, 3)), (8, True, (4, 3)),
+                                         (9, False, (4, 3)), (16, True, (4, 3))])
+def test_ring_config_stage_size_follows_m_and_the_norm(m, norm, want):
+    """NVFP4 28672x4096, 14 row groups per CTA. Per K step a row group holds 16 x 64 / 2 bytes of words and 16 x 4
+    scales (576), x block_m x 128 bytes: 4 steps at block_m 8 are 4 x (1024 + 14 x 576) = 36352 bytes, 36 KB rounded,
+    over MAX_STAGE_BYTES_M8 (32 KB), so up to M = 8 a stage takes 2 steps (18 KB) and the ring MAX_STAGES of them;
+    with the norm, or at M = 9-16 (40 KB under MAX_STAGE_BYTES), 4 steps and the 3 stages 128 KB hold."""
+    cfg = D.ring_config(m, 28672, 4096, FMT_CODE["nvfp4"], norm=norm)
+    assert (cfg.steps, cfg.stages) == want
+    assert cfg.stage_bytes(FMT_CODE["nvfp4"]) == {(2, 8): 18432, (4, 8): 36864, (4, 16): 40960}[cfg.steps, cfg.block_m]
 
 
 def _warps(block_m, groups, k_padded, steps, fmt):

@@ -27,6 +27,10 @@ SPLITS = (1, 2)  # K parts per tile (a cluster); larger clusters of one CTA per 
 MIN_FILL = 0.85  # ring_wins: ring_config's tiling must give at least this fraction of the SMs a CTA
 MAX_WARPS = 32  # 1024 threads per CTA
 MAX_STAGE_BYTES = 48 * 1024
+# Up to M = 8 (block_m 8) smaller stages, but with the norm: the consumers, about as fast as the stream, start on the
+# first stage sooner and free the ring in finer parts (ring_config's docstring has the measurements)
+MAX_STAGE_BYTES_M8 = 32 * 1024
+MAX_STAGES = 5
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 MAX_RING_STEPS = 16  # K steps a ring holds at most
 # Shared memory asked for under a programmatic dependent launch: two CTAs sharing an SM (the next call's,
@@ -78,12 +82,13 @@ class RingConfig:
 
 
 @lru_cache(maxsize=None)
-def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingConfig:
+def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: bool = False) -> RingConfig:
     """One CTA per SM: of 4-16 row groups per CTA and a split of 1 or 2, the tiling whose tiles x split come
     closest to the SM count from below; on a tie the groups nearest 8 for FP4 and 4 for MXFP8 (twice the bytes
     per row). Weights of more than 16 row groups per SM take 16 and several waves of CTAs. 4 K steps per stage
-    (2 when K has an odd number of pairs or 4 would pass MAX_STAGE_BYTES), as many stages as IN_FLIGHT_BYTES
-    hold, 2 to MAX_RING_STEPS K steps in all.
+    (2 when K has an odd number of pairs or 4 would pass MAX_STAGE_BYTES; MAX_STAGE_BYTES_M8 up to M = 8 but for a
+    call carrying the norm), as many stages as IN_FLIGHT_BYTES hold, 2 to MAX_STAGES and at most MAX_RING_STEPS K
+    steps in all.
     The choices the H200 sweeps of session 18 found fastest (bench/results/sweep_h200.json, runs 18c-18e):
     28672x8192 and 28672x4096 14 groups, split 1; 8192x8192 and 8192x28672 8 groups, split 2 (MXFP8: 4,
     split 1); 6144x4096 6, split 2; 4096x4096 4, split 2.
@@ -106,7 +111,19 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
       41.2 -> 39.0 us, 8192x8192 15.4 -> 15.0, MXFP4 8192x28672 39.8 -> 37.8; at K = 4096 2-4% slower). From
       QUAD_GROUPS row groups four warps per pair (k_warps 4) where a stage's steps allow (run 34b: 28672x8192 NVFP4
       39.0 -> 37.8 us, MXFP4 38.8 -> 37.3; on 8-group tilings 2.5-3.8% slower).
-    - Otherwise one warp per row group (M = 9-16: 28672x4096's 14 groups level either way, run 34b)."""
+    - Otherwise one warp per row group (M = 9-16: 28672x4096's 14 groups level either way, run 34b).
+    Stages up to M = 8 (session 36, sweep_h200.json runs 36a-36c: ab36, one process, 3 rounds interleaved): on
+    the 14-group tilings 2 K steps x 5 stages instead of 4 x 3 (36 KB stages), NVFP4 M = 1 28672x8192 -4.7 to -6.0%,
+    M = 8 -5.2%, 28672x4096 -2.5% (M = 8 -3.1%), 27648x5120 -1.8%, MXFP4 28672x8192 -1.7 to -2.4%, 28672x4096
+    +1.1%; 6 or 7 stages of 2 steps less (MXFP4 +0.2 to +5.3%). Stages of 30 KB and less gain nothing so (NVFP4
+    10240x8192 level, 18944x3584 +1.7%, 8192x8192 +5.9% at 2 x 4), nor deeper rings of 4-step stages (8192x8192
+    5 stages +3.9%, 8192x28672 +3.4%). MXFP8's 7- and 9-group tilings (34 and 42 KB stages) take 2 x 5 too: M = 1
+    14336x4096 -3.2% (M = 8 -1.5%), 18944x3584 -2.5% (run 36d). On rings of 2-step stages 5 stages beat more: NVFP4
+    8192x4160 (odd pairs of K steps) 5 against 8 stages, M = 1 and 16 -6.5% (36d). At M = 16 the 14-group tilings' four warps per pair need 4 K steps per stage
+    (2 steps with two warps per pair: 8-11% slower). A call carrying the norm keeps 4-step stages: its first fill
+    runs 2 stages ahead (decode_ws.cuh), and with 2-step stages on gate/up (28672x4096) the Llama-8B NVFP4 batch-1
+    step (bench/e2e.py way (e), 200 replays, a process per tree, two rounds, run 36d) took 1.774 / 1.775 ms
+    instead of 1.723 / 1.722 (session 27's run 27k had seen the same with the whole ring issued at once)."""
     groups_total = padded_shape(n, k)[0] // ROW_GROUP
     kt = padded_shape(n, k)[1] // K_STEP
     prefer = 4 if fmt_code == 2 else 8
@@ -128,9 +145,10 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132) -> RingCo
         k_warps = 2 if two and room else 1
     cfg = RingConfig(block_m=block_m, groups=groups, steps=4, stages=4, split=split, k_warps=k_warps,
                      groups_per_warp=2 if pairs else 1)
-    if kt % 4 or cfg.stage_bytes(fmt_code) > MAX_STAGE_BYTES:
+    if kt % 4 or cfg.stage_bytes(fmt_code) > (MAX_STAGE_BYTES_M8 if block_m == 8 and not norm else MAX_STAGE_BYTES):
         cfg = replace(cfg, steps=2, k_warps=min(k_warps, 2))
-    return replace(cfg, stages=max(2, min(MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))))
+    stages = min(MAX_STAGES, MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))
+    return replace(cfg, stages=max(2, stages))
 
 
 def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
@@ -158,7 +176,7 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool 
     Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
     if m > MAX_M:
         return False
-    cfg = ring_config(m, n, k, fmt_code, sms)
+    cfg = ring_config(m, n, k, fmt_code, sms, norm)
     if not fills(cfg, n, k, sms):
         return False
     return fmt_code != 2 or m >= 8 or norm or cfg.split > 1
@@ -221,7 +239,7 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
                          f"rows (and cuda-python installed), got {x.dtype} of shape {tuple(x.shape)}, strides "
                          f"{x.stride()}")
     if cfg is None:
-        cfg = ring_config(m, n, k, fmt_code, sm_count(device_index(x.device)))
+        cfg = ring_config(m, n, k, fmt_code, sm_count(device_index(x.device)), norm is not None)
     np_, kp = padded_shape(n, k)
     kt = kp // K_STEP
     if m > cfg.block_m or kt % cfg.steps or cfg.split not in range(1, 9) or cfg.steps % cfg.k_warps:
