@@ -27,10 +27,10 @@ SPLITS = (1, 2)  # K parts per tile (a cluster); larger clusters of one CTA per 
 MIN_FILL = 0.85  # ring_wins: ring_config's tiling must give at least this fraction of the SMs a CTA
 MAX_WARPS = 32  # 1024 threads per CTA
 MAX_STAGE_BYTES = 48 * 1024
-# Up to M = 8 (block_m 8) smaller stages, but with the norm: the consumers, about as fast as the stream, start on the
-# first stage sooner and free the ring in finer parts (ring_config's docstring has the measurements)
+# Up to M = 8 (block_m 8), on calls without the norm, smaller stages: the consumers, about as fast as the stream,
+# start on the first stage sooner and free the ring in finer parts (ring_config's docstring has the measurements)
 MAX_STAGE_BYTES_M8 = 32 * 1024
-MAX_STAGES = 5
+MAX_STAGES = 5  # rings of 2-step stages: 5 stages beat 6-8 (ring_config)
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 MAX_RING_STEPS = 16  # K steps a ring holds at most
 # Shared memory asked for under a programmatic dependent launch: two CTAs sharing an SM (the next call's,
