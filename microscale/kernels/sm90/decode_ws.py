@@ -115,15 +115,17 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
     Stages up to M = 8 (session 36, sweep_h200.json runs 36a-36c: ab36, one process, 3 rounds interleaved): on
     the 14-group tilings 2 K steps x 5 stages instead of 4 x 3 (36 KB stages), NVFP4 M = 1 28672x8192 -4.7 to -6.0%,
     M = 8 -5.2%, 28672x4096 -2.5% (M = 8 -3.1%), 27648x5120 -1.8%, MXFP4 28672x8192 -1.7 to -2.4%, 28672x4096
-    +1.1%; 6 or 7 stages of 2 steps less (MXFP4 +0.2 to +5.3%). Stages of 30 KB and less gain nothing so (NVFP4
-    10240x8192 level, 18944x3584 +1.7%, 8192x8192 +5.9% at 2 x 4), nor deeper rings of 4-step stages (8192x8192
-    5 stages +3.9%, 8192x28672 +3.4%). MXFP8's 7- and 9-group tilings (34 and 42 KB stages) take 2 x 5 too: M = 1
-    14336x4096 -3.2% (M = 8 -1.5%), 18944x3584 -2.5% (run 36d). On rings of 2-step stages 5 stages beat more: NVFP4
-    8192x4160 (odd pairs of K steps) 5 against 8 stages, M = 1 and 16 -6.5% (36d). At M = 16 the 14-group tilings' four warps per pair need 4 K steps per stage
-    (2 steps with two warps per pair: 8-11% slower). A call carrying the norm keeps 4-step stages: its first fill
-    runs 2 stages ahead (decode_ws.cuh), and with 2-step stages on gate/up (28672x4096) the Llama-8B NVFP4 batch-1
-    step (bench/e2e.py way (e), 200 replays, a process per tree, two rounds, run 36d) took 1.774 / 1.775 ms
-    instead of 1.723 / 1.722 (session 27's run 27k had seen the same with the whole ring issued at once)."""
+    +0.7 to +1.1%; 6 or 7 stages of 2 steps less (MXFP4 +0.2 to +5.3%). Stages of 30 KB and less gain nothing so
+    (NVFP4 10240x8192 level, 18944x3584 +1.7%, 8192x8192 +5.9% at 2 x 4), nor deeper rings of 4-step stages
+    (8192x8192 5 stages +3.9%, 8192x28672 +3.4%). MXFP8's 7- and 9-group tilings (34 and 42 KB stages) take 2 x 5
+    too: M = 1 14336x4096 -3.2% (M = 8 -1.5%), 18944x3584 -2.5% (run 36d). On rings of 2-step stages 5 stages beat
+    more: NVFP4 8192x4160 (odd pairs of K steps) 5 against 8 stages, M = 1 and 16 -6.5% (36d). At M = 16 the
+    14-group tilings' four warps per pair need 4 K steps per stage (2 steps with two warps per pair: 8-11% slower;
+    with one warp per group 2-step stages were 2-3% faster alone, run 36g, not taken). A call carrying the norm
+    keeps 4-step stages: its first fill runs 2 stages ahead (decode_ws.cuh), and with 2-step stages on gate/up
+    (28672x4096) the Llama-8B NVFP4 batch-1 step (bench/e2e.py way (e), 200 replays, a process per tree, two rounds,
+    run 36d) took 1.774 / 1.775 ms instead of 1.723 / 1.722 (session 27's run 27k had seen the same with the whole
+    ring issued at once)."""
     groups_total = padded_shape(n, k)[0] // ROW_GROUP
     kt = padded_shape(n, k)[1] // K_STEP
     prefer = 4 if fmt_code == 2 else 8
