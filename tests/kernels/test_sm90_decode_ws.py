@@ -32,7 +32,9 @@ CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1, k_warps=2), D.Rin
            D.RingConfig(block_m=16, groups=14, steps=4, stages=3, split=1, k_warps=2, groups_per_warp=2),
            D.RingConfig(groups=8, split=2, k_warps=2, groups_per_warp=2),
            D.RingConfig(block_m=16, groups=14, steps=4, stages=3, split=1, k_warps=4, groups_per_warp=2),
-           D.RingConfig(block_m=16, groups=4, steps=4, stages=4, split=2, k_warps=2))
+           D.RingConfig(block_m=16, groups=4, steps=4, stages=4, split=2, k_warps=2),
+           D.RingConfig(block_m=16, groups=8, split=2, k_warps=2, groups_per_warp=2, chains=2, lead=2),
+           D.RingConfig(groups=5, steps=2, stages=4, split=1, k_warps=2, chains=4, lead=1))
 
 
 NORM_CONFIGS = (CONFIGS[0], CONFIGS[1], CONFIGS[2], CONFIGS[6])  # 2 warps: split 1 and 2; 16 rows: split 1 and 3
@@ -219,7 +221,7 @@ def test_ring_config_fills_the_sms_with_one_cta_each(n, k, fmt, want):
     tiling of one more row group per CTA."""
     for m in (1, 8):
         cfg = D.ring_config(m, n, k, FMT_CODE[fmt])
-        assert dataclasses.replace(cfg, k_warps=1) == want
+        assert dataclasses.replace(cfg, k_warps=1, lead=0, chains=1) == want
         assert (cfg.k_warps, cfg.groups_per_warp) == _warps(8, want.groups, D.padded_shape(n, k)[1], cfg.steps, fmt)
     for groups in (want.groups, want.groups + 1):
         sms = -(-D.padded_shape(n, k)[0] // (16 * groups)) * want.split  # the tiling that fills them: groups
@@ -238,6 +240,30 @@ def test_ring_config_stage_size_follows_m_and_the_norm(m, norm, want):
     cfg = D.ring_config(m, 28672, 4096, FMT_CODE["nvfp4"], norm=norm)
     assert (cfg.steps, cfg.stages) == want
     assert cfg.stage_bytes(FMT_CODE["nvfp4"]) == {(2, 8): 18432, (4, 8): 36864, (4, 16): 40960}[cfg.steps, cfg.block_m]
+
+
+@pytest.mark.parametrize("fmt,n,k,m,norm,stage,lead,chains", [
+    ("nvfp4", 8192, 8192, 1, False, 4 * (8 * 128 + 8 * 576), 2, 1),  # 22528: a 4-step stage of 20 KB or more
+    ("mxfp4", 8192, 8192, 1, False, 4 * (8 * 128 + 8 * 544), 2, 1),  # 21504 (16 x 2 E8M0 scales per step)
+    ("nvfp4", 8192, 8192, 16, False, 4 * (16 * 128 + 8 * 576), 2, 2),  # pairs of row groups, two warps each
+    ("nvfp4", 4096, 4096, 1, False, 4 * (8 * 128 + 4 * 576), 0, 1),  # 13312: the whole ring at once
+    ("nvfp4", 4096, 4096, 16, False, 4 * (16 * 128 + 4 * 576), 0, 1),  # 17408
+    ("nvfp4", 4096, 4096, 1, True, 4 * (8 * 128 + 4 * 576), 2, 1),  # the norm: always 2 ahead
+    ("nvfp4", 28672, 8192, 1, False, 18432, 0, 1),  # 2-step stages
+    ("nvfp4", 28672, 8192, 16, False, 40960, 2, 1),  # 4 steps, 40448 rounded up; four warps per pair
+    ("mxfp8", 28672, 8192, 16, False, 33792, 0, 2),  # 2 x (2048 + 14 x 1056) rounded up; 2 steps, 2 warps a pair
+    ("mxfp8", 4096, 4096, 1, False, 21504, 0, 1),  # 4 x (1024 + 4 x 1056) rounded up, but 4 row groups at M <= 8
+    ("mxfp8", 4096, 4096, 16, False, 25600, 2, 1),  # 4 x (2048 + 4 x 1056) rounded up, at M = 16
+])
+def test_ring_config_first_fill_and_accumulators(fmt, n, k, m, norm, stage, lead, chains):
+    """The first fill runs FIRST_FILL_LEAD stages ahead on 4-step stages of LEAD_STAGE_BYTES (20 KB) or more (up to
+    M = 8 on FEW_GROUPS or more row groups) and on calls carrying the norm; 2 accumulators per row group where a warp takes a pair of row groups with one other
+    warp (the stage bytes computed by hand: x's block_m rows of 128 bytes and the row groups' 512 bytes of words
+    plus 64 (NVFP4) or 32 (MX) of scales, or MXFP8's 1024 + 32, per K step)."""
+    cfg = D.ring_config(m, n, k, FMT_CODE[fmt], norm=norm)
+    assert cfg.stage_bytes(FMT_CODE[fmt]) == stage
+    assert (cfg.lead, cfg.chains) == (lead, chains)
+    assert D.name_expression(FMT_CODE[fmt], cfg).count(f", {chains}, {lead or cfg.stages}, {cfg.steps}, ") == 1
 
 
 def _warps(block_m, groups, k_padded, steps, fmt):

@@ -60,13 +60,14 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4],
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// One K step of a consumer warp: acc[r][4 j .. 4 j + 3] += W tile (16 rows of row group r) x^T (x rows 8 j .. 8 j + 7).
+// One K step of a consumer warp: acc[r][c % CH][4 j .. 4 j + 3] += W tile (16 rows of row group r, k slice c of
+// the step) x^T (x rows 8 j .. 8 j + 7). CH accumulators per row group shorten the chain of dependent MMAs.
 // The thread's pair P (physical k 16t + 2P, +1; decode_step) is the MMA's k slice P / 2, half P % 2, for
 // the weights (A) and the activations (B) alike. x_addr: the K step's x box plus x_lane_offset().
 // GPW row groups (words and scales W_STRIDE and S_STRIDE bytes apart) share the x registers: at M = 16 the x loads
 // take 4 times the shared-memory bytes of the words.
-template <int FMT, int BM, int GPW, int W_STRIDE, int S_STRIDE>
-__device__ __forceinline__ void ring_step(float (&acc)[GPW][BM / 2], u32 w_addr, u32 s_addr, u32 x_addr) {
+template <int FMT, int BM, int GPW, int CH, int W_STRIDE, int S_STRIDE>
+__device__ __forceinline__ void ring_step(float (&acc)[GPW][CH][BM / 2], u32 w_addr, u32 s_addr, u32 x_addr) {
   u32 pair[GPW][2][2][4];
 #pragma unroll
   for (int r = 0; r < GPW; ++r) decode_step<FMT>(w_addr + r * W_STRIDE, s_addr + r * S_STRIDE, pair[r]);
@@ -77,16 +78,24 @@ __device__ __forceinline__ void ring_step(float (&acc)[GPW][BM / 2], u32 w_addr,
     ld_shared_v4((x_addr + j * 8 * X_ROW_BYTES) ^ 16u, xw + 4);
 #pragma unroll
     for (int r = 0; r < GPW; ++r) {
-      float d[4] = {acc[r][4 * j], acc[r][4 * j + 1], acc[r][4 * j + 2], acc[r][4 * j + 3]};
+      float d[CH][4];
+#pragma unroll
+      for (int h = 0; h < CH; ++h) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d[h][i] = acc[r][h][4 * j + i];
+      }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int p0 = 2 * c, p1 = 2 * c + 1;
         const u32 a[4] = {pair[r][0][p0 / 4][p0 % 4], pair[r][1][p0 / 4][p0 % 4], pair[r][0][p1 / 4][p1 % 4],
                           pair[r][1][p1 / 4][p1 % 4]};
-        mma_bf16_16816(d, a, xw[p0], xw[p1]);
+        mma_bf16_16816(d[c % CH], a, xw[p0], xw[p1]);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][4 * j + i] = d[i];
+      for (int h = 0; h < CH; ++h) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[r][h][4 * j + i] = d[h][i];
+      }
     }
   }
 }
@@ -164,7 +173,8 @@ __device__ __forceinline__ void normalize_stages(u32 smem, u32 full, u32 ready, 
   }
 }
 
-template <int FMT, int BM, int RGS, int KW, int GPW, int STEPS, int STAGES, int SPLIT, int GATED, int NORM, int RESID>
+template <int FMT, int BM, int RGS, int KW, int GPW, int CH, int LEAD, int STEPS, int STAGES, int SPLIT, int GATED, int NORM,
+          int RESID>
 __global__ void __launch_bounds__((RGS * KW / GPW + 1 + NORM) * 32)
 decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__ TensorMap data_tmap,
                const __grid_constant__ TensorMap scale_tmap, const float* __restrict__ row_mult,
@@ -201,13 +211,16 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
     cluster_arrive_relaxed();
   }
 
-  float accs[GPW][L::ACC];  // the warp's row groups; after the K loop acc is the sum for the row group it stores
+  float accs[GPW][CH][L::ACC];  // the warp's row groups; after the K loop acc is the sum for the row group it stores
 #pragma unroll
   for (int r = 0; r < GPW; ++r) {
 #pragma unroll
-    for (int i = 0; i < L::ACC; ++i) accs[r][i] = 0.0f;
+    for (int h = 0; h < CH; ++h) {
+#pragma unroll
+      for (int i = 0; i < L::ACC; ++i) accs[r][h][i] = 0.0f;
+    }
   }
-  float (&acc)[L::ACC] = accs[0];
+  float (&acc)[L::ACC] = accs[0][0];
 
   // The epilogue's operands are loaded before the K loop, so that they add no memory round trip to the kernel's
   // tail: the rows' factors and bias (constants, before griddepcontrol.wait) and the residual (after it). After
@@ -268,11 +281,10 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       // The weights are never written by a kernel: under a programmatic dependent launch the first stages'
       // weights stream in while the kernel before this one finishes; x is its output. The memory serves a
       // ring's requests together, so a whole ring issued at once lands its first stage only when the whole
-      // ring has landed. With NORM (the decode step's q/k/v and gate/up, whose CTAs start shortly before
-      // griddepcontrol.wait returns) the first fill keeps 2 stages ahead: each further stage goes out once the
-      // one two before it has landed (NVFP4 batch-1 step 1.803 -> 1.766 ms, sweep_h200.json run 28d; the same
-      // for every variant 1.779; alone at M = 1 from 2% faster to 4% slower, bench/results/ws_probes_h200.json).
-      const int first = min(stages_mine, STAGES), lead = min(first, NORM ? 2 : STAGES);
+      // ring has landed. So the first fill keeps LEAD stages in flight: each further stage goes out once the one
+      // LEAD before it has landed (ring_config picks LEAD: 2 for the norm-fused calls and rings of large stages,
+      // else the whole ring).
+      const int first = min(stages_mine, STAGES), lead = min(first, LEAD);
       for (int i = 0; i < lead; ++i) load_weights(i);
       wait_prior_grid();
       for (int i = 0; i < lead; ++i) load_x(i);
@@ -310,13 +322,21 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
       mbar_wait((NORM ? ready : full) + 8 * stage, phase);
 #pragma unroll
       for (int j = 0; j < STEPS / KW; ++j) {
-        ring_step<FMT, BM, GPW, STEPS * DATA_BYTES<FMT>, STEPS * SCALE_BYTES<FMT>>(
+        ring_step<FMT, BM, GPW, CH, STEPS * DATA_BYTES<FMT>, STEPS * SCALE_BYTES<FMT>>(
             accs, words + offset + j * KW * DATA_BYTES<FMT>, scales + offset + j * KW * SCALE_BYTES<FMT>,
             x + offset + j * KW * L::X_STEP);
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * stage);
       if (++stage == STAGES) stage = 0, phase ^= 1;
+    }
+#pragma unroll
+    for (int r = 0; r < GPW; ++r) {
+#pragma unroll
+      for (int h = 1; h < CH; ++h) {
+#pragma unroll
+        for (int i = 0; i < L::ACC; ++i) accs[r][0][i] += accs[r][h][i];
+      }
     }
   }
 
@@ -338,7 +358,7 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
 #pragma unroll
         for (int i = 0; i < L::ACC; i += 4)
           asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(partial(kw, group + r) + 4 * i),
-                       "f"(accs[r][i]), "f"(accs[r][i + 1]), "f"(accs[r][i + 2]), "f"(accs[r][i + 3]) : "memory");
+                       "f"(accs[r][0][i]), "f"(accs[r][0][i + 1]), "f"(accs[r][0][i + 2]), "f"(accs[r][0][i + 3]) : "memory");
       }
     }
     __syncthreads();

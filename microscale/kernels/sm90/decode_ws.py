@@ -31,6 +31,11 @@ MAX_STAGE_BYTES = 48 * 1024
 # start on the first stage sooner and free the ring in finer parts (ring_config's docstring has the measurements)
 MAX_STAGE_BYTES_M8 = 32 * 1024
 MAX_STAGES = 5  # rings of 2-step stages: 5 stages beat 6-8 (ring_config)
+# A ring of 4-step stages of LEAD_STAGE_BYTES or more (at M = 9-16, or up to M = 8 on FEW_GROUPS or more row groups),
+# and a call carrying the norm, keeps FIRST_FILL_LEAD stages of its first fill in flight instead of issuing the whole
+# ring at once (ring_config's docstring)
+LEAD_STAGE_BYTES = 20 * 1024
+FIRST_FILL_LEAD = 2
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 MAX_RING_STEPS = 16  # K steps a ring holds at most
 # Shared memory asked for under a programmatic dependent launch: two CTAs sharing an SM (the next call's,
@@ -58,6 +63,8 @@ class RingConfig:
     split: int = 1  # K parts per tile: the CTAs of a cluster
     k_warps: int = 1  # consumer warps per row group, each taking every k_warps-th K step of a stage
     groups_per_warp: int = 1  # row groups a consumer warp decodes per K step, sharing x's registers (<= k_warps)
+    chains: int = 1  # accumulators per row group that a warp's MMAs of a K step alternate between (1, 2 or 4)
+    lead: int = 0  # stages of the first fill in flight before the first lands (0: the whole ring at once)
 
     @property
     def threads(self) -> int:
@@ -125,7 +132,24 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
     keeps 4-step stages: its first fill runs 2 stages ahead (decode_ws.cuh), and with 2-step stages on gate/up
     (28672x4096) the Llama-8B NVFP4 batch-1 step (bench/e2e.py way (e), 200 replays, a process per tree, two rounds,
     run 36d) took 1.774 / 1.775 ms instead of 1.723 / 1.722 (session 27's run 27k had seen the same with the whole
-    ring issued at once)."""
+    ring issued at once).
+    The first fill (lead) and the accumulators (chains), session 37 (sweep_h200.json runs 37a/37b: ab37, one process,
+    3 rounds interleaved, plain and programmatic launches):
+    - A ring of 4-step stages of LEAD_STAGE_BYTES or more keeps FIRST_FILL_LEAD stages of its first fill in flight
+      (a call carrying the norm always does), the memory landing the first stage sooner than in a whole ring: NVFP4
+      8192x8192 M = 1 -2.2 to -3.0%, M = 8 -2.5 to -3.3%, M = 16 -3.9 to -5.2%, 8192x28672 M = 1 -1.0 to -1.3%; MXFP4
+      8192x8192 M = 1 -4.2 to -4.6%, M = 16 -5.9%, 8192x28672 -1.1 to -1.6%, 28672x8192 M = 16 -3.7%; NVFP4
+      28672x4096 M = 16 -4.2%, 6144x4096 M = 16 -3.5% (MXFP4 -3.7%, MXFP8 -6.4%); MXFP8 4096x4096 and 4096x14336
+      M = 16 -2.2 to -5.3%. Up to M = 8 only on FEW_GROUPS or more row groups: MXFP8's 4-group tilings gain plain
+      (4096x4096 M = 1 -2.5 to -5.5%, 8192x8192 M = 8 -2.5%) but lose under programmatic launches, the decode
+      step's (4096x4096 and 4096x14336 M = 1 +0.6 to +1.3%). Smaller stages lose by it (NVFP4 4096x4096 M = 1
+      +0.7%, programmatic +2.1%; M = 16 +1.1%), 2-step stages gain nothing (28672x8192 M = 1 -0.1 to +0.5%, MXFP8
+      M = 16 +1.7%); 1 stage ahead loses everywhere (+1.7 to +7.3%), 3 is level with 2.
+    - At M = 9-16 on pairs of row groups with two warps each, 2 accumulators per row group: a K step's 4 MMAs form two
+      dependent chains instead of one. NVFP4 8192x8192 M = 16 -2.7 to -4.3% (with the lead -6.7% against neither),
+      8192x28672 -3.1 to -4.8% (-5.9%), MXFP4 -2.0 to -2.2%. Not elsewhere: four warps per pair, held to 64 registers a
+      thread by their 29 warps, lose (NVFP4 28672x8192 M = 16 +20%), one row group per warp at M = 16 loses 2.6-4.2%, M = 1-8 gains nothing (-1.1 to
+      +0.6% on 8 groups; 28672x4096 with two warps per group +7.4%)."""
     groups_total = padded_shape(n, k)[0] // ROW_GROUP
     kt = padded_shape(n, k)[1] // K_STEP
     prefer = 4 if fmt_code == 2 else 8
@@ -150,7 +174,9 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
     if kt % 4 or cfg.stage_bytes(fmt_code) > (MAX_STAGE_BYTES_M8 if block_m == 8 and not norm else MAX_STAGE_BYTES):
         cfg = replace(cfg, steps=2, k_warps=min(k_warps, 2))
     stages = min(MAX_STAGES, MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))
-    return replace(cfg, stages=max(2, stages))
+    lead = norm or cfg.steps == 4 and cfg.stage_bytes(fmt_code) >= LEAD_STAGE_BYTES and (block_m == 16 or not few)
+    return replace(cfg, stages=max(2, stages), lead=FIRST_FILL_LEAD if lead else 0,
+                   chains=2 if pairs and cfg.k_warps == 2 else 1)
 
 
 def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
@@ -201,8 +227,9 @@ def variant(fmt_code: int, cfg: RingConfig, gated: bool = False, norm: bool = Fa
 
 def name_expression(fmt_code: int, cfg: RingConfig, gated: bool = False, norm: bool = False,
                     residual: bool = False) -> str:
+    lead = cfg.lead or cfg.stages
     return (f"ms90::decode_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.groups}, {cfg.k_warps}, {cfg.groups_per_warp}, "
-            f"{cfg.steps}, {cfg.stages}, {cfg.split}, {int(gated)}, {int(norm)}, {int(residual)}>")
+            f"{cfg.chains}, {lead}, {cfg.steps}, {cfg.stages}, {cfg.split}, {int(gated)}, {int(norm)}, {int(residual)}>")
 
 
 def threads(cfg: RingConfig, norm: bool = False) -> int:
@@ -249,6 +276,8 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
                          f"split is not a cluster size of 1-8, or k_warps does not divide the steps per stage")
     if cfg.groups_per_warp not in (1, 2) or cfg.groups % cfg.groups_per_warp or cfg.groups_per_warp > cfg.k_warps:
         raise ValueError(f"decode_ws: {cfg}: groups_per_warp must be 1 or 2, divide groups and not exceed k_warps")
+    if cfg.chains not in (1, 2, 4) or cfg.lead < 0:
+        raise ValueError(f"decode_ws: {cfg}: chains must be 1, 2 or 4 (of a K step's 4 MMAs) and lead at least 0")
     if threads(cfg, norm is not None) > 32 * MAX_WARPS:
         raise ValueError(f"decode_ws: {cfg} needs {threads(cfg, norm is not None)} threads (its consumer warps, the "
                          f"producer{', the norm warp' if norm is not None else ''}), more than {32 * MAX_WARPS}")
