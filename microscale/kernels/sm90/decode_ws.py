@@ -133,7 +133,7 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
     (28672x4096) the Llama-8B NVFP4 batch-1 step (bench/e2e.py way (e), 200 replays, a process per tree, two rounds,
     run 36d) took 1.774 / 1.775 ms instead of 1.723 / 1.722 (session 27's run 27k had seen the same with the whole
     ring issued at once).
-    The first fill (lead) and the accumulators (chains), session 37 (sweep_h200.json runs 37a/37b: ab37, one process,
+    The first fill (lead) and the accumulators (chains), session 37 (sweep_h200.json runs 37a-37c: ab37, one process,
     3 rounds interleaved, plain and programmatic launches):
     - A ring of 4-step stages of LEAD_STAGE_BYTES or more keeps FIRST_FILL_LEAD stages of its first fill in flight
       (a call carrying the norm always does), the memory landing the first stage sooner than in a whole ring: NVFP4
@@ -144,12 +144,12 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
       (4096x4096 M = 1 -2.5 to -5.5%, 8192x8192 M = 8 -2.5%) but lose under programmatic launches, the decode
       step's (4096x4096 and 4096x14336 M = 1 +0.6 to +1.3%). Smaller stages lose by it (NVFP4 4096x4096 M = 1
       +0.7%, programmatic +2.1%; M = 16 +1.1%), 2-step stages gain nothing (28672x8192 M = 1 -0.1 to +0.5%, MXFP8
-      M = 16 +1.7%); 1 stage ahead loses everywhere (+1.7 to +7.3%), 3 is level with 2.
+      M = 16 +1.7%); 1 stage ahead loses everywhere (+0.8 to +7.3%), 3 is level with 2.
     - At M = 9-16 on pairs of row groups with two warps each, 2 accumulators per row group: a K step's 4 MMAs form two
       dependent chains instead of one. NVFP4 8192x8192 M = 16 -2.7 to -4.3% (with the lead -6.7% against neither),
       8192x28672 -3.1 to -4.8% (-5.9%), MXFP4 -2.0 to -2.2%. Not elsewhere: four warps per pair, held to 64 registers a
-      thread by their 29 warps, lose (NVFP4 28672x8192 M = 16 +20%), one row group per warp at M = 16 loses 2.6-4.2%, M = 1-8 gains nothing (-1.1 to
-      +0.6% on 8 groups; 28672x4096 with two warps per group +7.4%)."""
+      thread by their 29 warps, lose (NVFP4 28672x8192 M = 16 +20%), one row group per warp at M = 16 up to 4.2%;
+      M = 1-8 gains nothing (-1.1 to +1.4% on 8 and 14 groups, 28672x4096 with two warps per group +7.4%)."""
     groups_total = padded_shape(n, k)[0] // ROW_GROUP
     kt = padded_shape(n, k)[1] // K_STEP
     prefer = 4 if fmt_code == 2 else 8
