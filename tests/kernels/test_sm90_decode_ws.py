@@ -257,9 +257,9 @@ def test_ring_config_stage_size_follows_m_and_the_norm(m, norm, want):
 ])
 def test_ring_config_first_fill_and_accumulators(fmt, n, k, m, norm, stage, lead, chains):
     """The first fill runs FIRST_FILL_LEAD stages ahead on 4-step stages of LEAD_STAGE_BYTES (20 KB) or more (up to
-    M = 8 on FEW_GROUPS or more row groups) and on calls carrying the norm; 2 accumulators per row group where a warp takes a pair of row groups with one other
-    warp (the stage bytes computed by hand: x's block_m rows of 128 bytes and the row groups' 512 bytes of words
-    plus 64 (NVFP4) or 32 (MX) of scales, or MXFP8's 1024 + 32, per K step)."""
+    M = 8 on FEW_GROUPS or more row groups) and on calls carrying the norm; 2 accumulators per row group where a warp
+    takes a pair of row groups with one other warp (the stage bytes computed by hand: x's block_m rows of 128 bytes
+    and the row groups' 512 bytes of words plus 64 (NVFP4) or 32 (MX) of scales, or MXFP8's 1024 + 32, per K step)."""
     cfg = D.ring_config(m, n, k, FMT_CODE[fmt], norm=norm)
     assert cfg.stage_bytes(FMT_CODE[fmt]) == stage
     assert (cfg.lead, cfg.chains) == (lead, chains)

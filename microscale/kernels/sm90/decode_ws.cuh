@@ -173,8 +173,8 @@ __device__ __forceinline__ void normalize_stages(u32 smem, u32 full, u32 ready, 
   }
 }
 
-template <int FMT, int BM, int RGS, int KW, int GPW, int CH, int LEAD, int STEPS, int STAGES, int SPLIT, int GATED, int NORM,
-          int RESID>
+template <int FMT, int BM, int RGS, int KW, int GPW, int CH, int LEAD, int STEPS, int STAGES, int SPLIT, int GATED,
+          int NORM, int RESID>
 __global__ void __launch_bounds__((RGS * KW / GPW + 1 + NORM) * 32)
 decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__ TensorMap data_tmap,
                const __grid_constant__ TensorMap scale_tmap, const float* __restrict__ row_mult,
@@ -358,7 +358,8 @@ decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__
 #pragma unroll
         for (int i = 0; i < L::ACC; i += 4)
           asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(partial(kw, group + r) + 4 * i),
-                       "f"(accs[r][0][i]), "f"(accs[r][0][i + 1]), "f"(accs[r][0][i + 2]), "f"(accs[r][0][i + 3]) : "memory");
+                       "f"(accs[r][0][i]), "f"(accs[r][0][i + 1]), "f"(accs[r][0][i + 2]), "f"(accs[r][0][i + 3])
+                       : "memory");
       }
     }
     __syncthreads();

@@ -229,7 +229,8 @@ def name_expression(fmt_code: int, cfg: RingConfig, gated: bool = False, norm: b
                     residual: bool = False) -> str:
     lead = cfg.lead or cfg.stages
     return (f"ms90::decode_ws_gemm<{fmt_code}, {cfg.block_m}, {cfg.groups}, {cfg.k_warps}, {cfg.groups_per_warp}, "
-            f"{cfg.chains}, {lead}, {cfg.steps}, {cfg.stages}, {cfg.split}, {int(gated)}, {int(norm)}, {int(residual)}>")
+            f"{cfg.chains}, {lead}, {cfg.steps}, {cfg.stages}, {cfg.split}, {int(gated)}, {int(norm)}, "
+            f"{int(residual)}>")
 
 
 def threads(cfg: RingConfig, norm: bool = False) -> int:
