@@ -30,7 +30,7 @@
 6. (--probe ws-timeline) decode_ws with %globaltimer stamps per CTA (timeline_source) under bench/gemm.py's timing:
    per call, when the first stage lands, the loops and the CTAs end, and the gap to the next call; under
    programmatic launches (the calls overlap) only the time per call.
-7. (--probe ws-fill) decode_ws with the first ring fill `lead` stages ahead (fill_source) on several ring shapes.
+7. (--probe ws-fill) decode_ws with the first ring fill `lead` stages ahead (RingConfig.lead) on several ring shapes.
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
 
@@ -308,14 +308,6 @@ def timeline_source(buffer_address: int) -> str:
     return wgmma_ws.source() + "\n" + _splice(src, tail, record + tail)
 
 
-def fill_source(lead: int) -> str:
-    """decode_ws's source with the producer's first fill `lead` stages ahead for every variant (probe 7): the first
-    lead stages at once, each later one of the first fill once the stage lead before it has landed (decode_ws does
-    so with lead 2 for its NORM variants and the whole ring at once for the others)."""
-    from microscale.kernels.sm90 import decode_ws
-    return _splice(decode_ws.source(), "lead = min(first, NORM ? 2 : STAGES);", f"lead = min(first, {lead});")
-
-
 @contextlib.contextmanager
 def _decode_ws_source(src: str):
     """decode_ws builds its kernels from src inside the block (the caches cleared on the way in and out)."""
@@ -428,7 +420,7 @@ def ws_timeline(fmt, m, n, k, programmatic=False):
 
 def ws_fill(fmt, m, n, k, rings=((4, None), (2, 4), (2, 5), (2, 6), (2, 8)), leads=(1, 2, 99), rounds=2):
     """Probe 7: decode_ws with ring_config's groups and split and the given (steps, stages) rings (None: ring_config's),
-    each filled `lead` stages ahead (fill_source; 99: all at once, as decode_ws does without NORM)."""
+    each filled `lead` stages ahead (RingConfig.lead; 99: the whole ring at once)."""
     from dataclasses import replace
     from microscale.kernels.sm90 import decode_ws
     from microscale.kernels.sm90.decode import FMT_CODE
@@ -436,18 +428,17 @@ def ws_fill(fmt, m, n, k, rings=((4, None), (2, 4), (2, 5), (2, 6), (2, 8)), lea
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     recs = []
     for steps, stages in rings:
-        cfg = replace(cfg0, steps=steps, stages=stages or cfg0.stages)
-        call = lambda p: decode_ws.decode_ws_gemm(x, *p, None, FMT_CODE[fmt], n, k, cfg=cfg)  # noqa: E731
         for lead in leads:
-            if lead != 99 and lead >= cfg.stages:
+            cfg = replace(cfg0, steps=steps, stages=stages or cfg0.stages, lead=0 if lead == 99 else lead)
+            if cfg.lead >= cfg.stages:
                 continue
+            call = lambda p, cfg=cfg: decode_ws.decode_ws_gemm(x, *p, None, FMT_CODE[fmt], n, k, cfg=cfg)  # noqa: E731
             rec = {"op": "ws fill", **head, "steps": cfg.steps, "stages": cfg.stages, "lead": lead, "us": []}
-            recs.append((rec, call, fill_source(lead)))
+            recs.append((rec, call))
     for _ in range(rounds):
-        for rec, call, src in recs:
-            with _decode_ws_source(src):
-                rec["us"].append(gemm._time_graph(call, copies))
-    return [rec for rec, _, _ in recs]
+        for rec, call in recs:
+            rec["us"].append(gemm._time_graph(call, copies))
+    return [rec for rec, _ in recs]
 
 
 WS_CASES = (("nvfp4", 1, 28672, 8192), ("nvfp4", 1, 8192, 28672), ("nvfp4", 1, 8192, 8192), ("mxfp4", 1, 28672, 8192),

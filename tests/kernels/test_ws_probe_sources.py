@@ -1,4 +1,4 @@
-"""bench/stream_probe.py's patched decode_ws sources (probes 4 to 7) on the CPU: every patch point is found once
+"""bench/stream_probe.py's patched decode_ws sources (probes 4 to 6) on the CPU: every patch point is found once
 and each variant builds for sm_90a, so a change to decode_ws.cuh that moves a line breaks here, not on the GPU."""
 
 import importlib.util
@@ -66,13 +66,6 @@ def test_timeline_source_stamps_four_times_and_appends_by_an_atomic(probe):
         assert code.count("SR_GLOBALTIMERLO") >= 4, D.name_expression(*v)  # start, first stage, loop end, end
         assert "SR_VIRTUALSMID" in code or "SR_SMID" in code  # the CTA's SM
         assert any(op.startswith(("ATOM", "ATOMG")) for op in nvrtc.sass_opcodes(code))
-
-
-@pytest.mark.parametrize("lead", [1, 2])
-def test_fill_source_waits_for_the_first_stages_before_the_rest(probe, lead):
-    text = probe.fill_source(lead)
-    assert f"lead = min(first, {lead});" in text
-    _build(text)
 
 
 def test_timeline_summary_of_hand_made_records(probe):
