@@ -119,22 +119,21 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
       QUAD_GROUPS row groups four warps per pair (k_warps 4) where a stage's steps allow (run 34b: 28672x8192 NVFP4
       39.0 -> 37.8 us, MXFP4 38.8 -> 37.3; on 8-group tilings 2.5-3.8% slower).
     - Otherwise one warp per row group (M = 9-16: 28672x4096's 14 groups level either way, run 34b).
-    Stages up to M = 8 (session 36, sweep_h200.json runs 36a-36c: ab36, one process, 3 rounds interleaved): on
-    the 14-group tilings 2 K steps x 5 stages instead of 4 x 3 (36 KB stages), NVFP4 M = 1 28672x8192 -4.7 to -6.0%,
-    M = 8 -5.2%, 28672x4096 -2.5% (M = 8 -3.1%), 27648x5120 -1.8%, MXFP4 28672x8192 -1.7 to -2.4%, 28672x4096
-    +0.7 to +1.1%; 6 or 7 stages of 2 steps less (MXFP4 +0.2 to +5.3%). Stages of 30 KB and less gain nothing so
-    (NVFP4 10240x8192 level, 18944x3584 +1.7%, 8192x8192 +5.9% at 2 x 4), nor deeper rings of 4-step stages
-    (8192x8192 5 stages +3.9%, 8192x28672 +3.4%). MXFP8's 7- and 9-group tilings (34 and 42 KB stages) take 2 x 5
-    too: M = 1 14336x4096 -3.2% (M = 8 -1.5%), 18944x3584 -2.5% (run 36d). On rings of 2-step stages 5 stages beat
-    more: NVFP4 8192x4160 (odd pairs of K steps) 5 against 8 stages, M = 1 and 16 -6.5% (36d). At M = 16 the
-    14-group tilings' four warps per pair need 4 K steps per stage (2 steps with two warps per pair: 8-11% slower;
-    with one warp per group 2-step stages were 2-3% faster alone, run 36g, not taken). A call carrying the norm
-    keeps 4-step stages: its first fill runs 2 stages ahead (decode_ws.cuh), and with 2-step stages on gate/up
-    (28672x4096) the Llama-8B NVFP4 batch-1 step (bench/e2e.py way (e), 200 replays, a process per tree, two rounds,
-    run 36d) took 1.774 / 1.775 ms instead of 1.723 / 1.722 (session 27's run 27k had seen the same with the whole
-    ring issued at once).
-    The first fill (lead) and the accumulators (chains), session 37 (sweep_h200.json runs 37a-37c: ab37, one process,
-    3 rounds interleaved, plain and programmatic launches):
+    Stages up to M = 8 (session 36, sweep_h200.json runs 36a-36c: bench/ring_ab.py's method, one process, 3 rounds
+    interleaved): on the 14-group tilings 2 K steps x 5 stages instead of 4 x 3 (36 KB stages), NVFP4 M = 1 28672x8192
+    -4.7 to -6.0%, M = 8 -5.2%, 28672x4096 -2.5% (M = 8 -3.1%), 27648x5120 -1.8%, MXFP4 28672x8192 -1.7 to -2.4%,
+    28672x4096 +0.7 to +1.1%; 6 or 7 stages of 2 steps less (MXFP4 +0.2 to +5.3%). Stages of 30 KB and less gain nothing
+    so (NVFP4 10240x8192 level, 18944x3584 +1.7%, 8192x8192 +5.9% at 2 x 4), nor deeper rings of 4-step stages
+    (8192x8192 5 stages +3.9%, 8192x28672 +3.4%). MXFP8's 7- and 9-group tilings (34 and 42 KB stages) take 2 x 5 too:
+    M = 1 14336x4096 -3.2% (M = 8 -1.5%), 18944x3584 -2.5% (run 36d). On rings of 2-step stages 5 stages beat more:
+    NVFP4 8192x4160 (odd pairs of K steps) 5 against 8 stages, M = 1 and 16 -6.5% (36d). At M = 16 the 14-group tilings'
+    four warps per pair need 4 K steps per stage (2 steps with two warps per pair: 8-11% slower; with one warp per group
+    2-step stages were 2-3% faster alone, run 36g, not taken). A call carrying the norm keeps 4-step stages: its first
+    fill runs 2 stages ahead (decode_ws.cuh), and with 2-step stages on gate/up (28672x4096) the Llama-8B NVFP4 batch-1
+    step (bench/e2e.py way (e), 200 replays, a process per tree, two rounds, run 36d) took 1.774 / 1.775 ms instead of
+    1.723 / 1.722 (session 27's run 27k had seen the same with the whole ring issued at once).
+    The first fill (lead) and the accumulators (chains), session 37 (sweep_h200.json runs 37a-37c: bench/ring_ab.py,
+    one process, 3 rounds interleaved, plain and programmatic launches):
     - A ring of 4-step stages of LEAD_STAGE_BYTES or more keeps FIRST_FILL_LEAD stages of its first fill in flight
       (a call carrying the norm always does), the memory landing the first stage sooner than in a whole ring: NVFP4
       8192x8192 M = 1 -2.2 to -3.0%, M = 8 -2.5 to -3.3%, M = 16 -3.9 to -5.2%, 8192x28672 M = 1 -1.0 to -1.3%; MXFP4
