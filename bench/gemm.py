@@ -75,6 +75,19 @@ def _time_graph(call, copies, replays=10, calls=8):
     return sorted(times)[len(times) // 2]
 
 
+def _time_launches(call, copies, pdl=True, **reps):
+    """_time_graph of call as plain launches and, with pdl, as programmatic dependent launches (else None): each
+    call's launch and first weight loads then overlap the call before it, as between the GEMMs of bench/e2e.py way
+    (e); cuBLAS cannot be launched so."""
+    from microscale.kernels.sm90.launch import programmatic_launches
+    with programmatic_launches(False):
+        plain = _time_graph(call, copies, **reps)
+    if not pdl:
+        return plain, None
+    with programmatic_launches(True):
+        return plain, _time_graph(call, copies, **reps)
+
+
 def _env():
     import triton
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -92,7 +105,6 @@ def _weights(n, k, fmt, seed):
 def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
     """Records for one format and (N, K) over the M values."""
     from microscale.kernels import sm90
-    from microscale.kernels.sm90.launch import programmatic_launches
     w, q = _weights(n, k, fmt, seed)
     prep = sm90.prepare(q)
     nbytes_q = sum(t.numel() * t.element_size() for t in prep)
@@ -116,15 +128,11 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
         pdl = m <= 64 and kernel in PDL_KERNELS
         # ours and cuBLAS bf16 timed twice, interleaved, each keeping its faster run, so one
         # slow stretch of the GPU inflates neither side of the ratio (seen once: cuBLAS 121 us, not 110)
-        # pdl_us: as programmatic dependent launches, each call's launch and first weight loads overlap the call
-        # before it, as between the GEMMs of bench/e2e.py way (e); cuBLAS cannot be launched so
         ours, ours_pdl, bf16 = [], [], []
         for _ in range(2):
-            with programmatic_launches(False):
-                ours.append(_time_graph(ours_call, preps, **reps))
-            if pdl:
-                with programmatic_launches(True):
-                    ours_pdl.append(_time_graph(ours_call, preps, **reps))
+            plain, programmatic = _time_launches(ours_call, preps, pdl, **reps)
+            ours.append(plain)
+            ours_pdl.append(programmatic)
             if peers:
                 bf16.append(_time_graph(lambda wb: F.linear(x, wb), ws, **reps))
         rec["us"] = min(ours)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/'s modules, also when loaded by path
-from gemm import _copies, _time_graph, _weights  # noqa: E402
+from gemm import _copies, _time_graph, _time_launches, _weights  # noqa: E402
 
 
 def variants(fmt: str, n: int, k: int, m: int, alts: list) -> dict:
@@ -52,7 +52,6 @@ def ab_case(fmt: str, n: int, k: int, ms: list, alts: list, rounds: int = 3, cal
     from microscale.kernels import sm90
     from microscale.kernels.sm90 import decode_ws
     from microscale.kernels.sm90.decode import FMT_CODE
-    from microscale.kernels.sm90.launch import programmatic_launches
     code = FMT_CODE[fmt]
     w, q = _weights(n, k, fmt, 0)
     prep = sm90.prepare(q)
@@ -69,10 +68,9 @@ def ab_case(fmt: str, n: int, k: int, ms: list, alts: list, rounds: int = 3, cal
             for name, cfg in cfgs.items():
                 call = lambda p, cfg=cfg: decode_ws.decode_ws_gemm(x, *p, None, code, n, k, cfg)  # noqa: E731
                 ys[name] = call(prep).double()
-                with programmatic_launches(False):
-                    plain[name].append(_time_graph(call, preps, calls=calls))
-                with programmatic_launches(True):
-                    pdl[name].append(_time_graph(call, preps, calls=calls))
+                t, tp = _time_launches(call, preps, calls=calls)
+                plain[name].append(t)
+                pdl[name].append(tp)
         ref = x.double() @ exact.T
         for name, cfg in cfgs.items():
             best, best_pdl = min(plain[name]), min(pdl[name])

@@ -172,8 +172,9 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
                      groups_per_warp=2 if pairs else 1)
     if kt % 4 or cfg.stage_bytes(fmt_code) > (MAX_STAGE_BYTES_M8 if block_m == 8 and not norm else MAX_STAGE_BYTES):
         cfg = replace(cfg, steps=2, k_warps=min(k_warps, 2))
-    stages = min(MAX_STAGES, MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // cfg.stage_bytes(fmt_code))
-    lead = norm or cfg.steps == 4 and cfg.stage_bytes(fmt_code) >= LEAD_STAGE_BYTES and (block_m == 16 or not few)
+    stage = cfg.stage_bytes(fmt_code)
+    stages = min(MAX_STAGES, MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // stage)
+    lead = norm or cfg.steps == 4 and stage >= LEAD_STAGE_BYTES and (block_m == 16 or not few)
     return replace(cfg, stages=max(2, stages), lead=FIRST_FILL_LEAD if lead else 0,
                    chains=2 if pairs and cfg.k_warps == 2 else 1)
 
