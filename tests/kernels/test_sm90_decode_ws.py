@@ -34,7 +34,8 @@ CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1, k_warps=2), D.Rin
            D.RingConfig(block_m=16, groups=14, steps=4, stages=3, split=1, k_warps=4, groups_per_warp=2),
            D.RingConfig(block_m=16, groups=4, steps=4, stages=4, split=2, k_warps=2),
            D.RingConfig(block_m=16, groups=8, split=2, k_warps=2, groups_per_warp=2, chains=2, lead=2),
-           D.RingConfig(groups=5, steps=2, stages=4, split=1, k_warps=2, chains=4, lead=1))
+           D.RingConfig(groups=5, steps=2, stages=4, split=1, k_warps=2, chains=4, lead=1),
+           D.RingConfig(groups=14, steps=2, stages=5, split=1, lead=3))  # 28672x8192 up to M = 8
 
 
 NORM_CONFIGS = (CONFIGS[0], CONFIGS[1], CONFIGS[2], CONFIGS[6])  # 2 warps: split 1 and 2; 16 rows: split 1 and 3
@@ -249,7 +250,10 @@ def test_ring_config_stage_size_follows_m_and_the_norm(m, norm, want):
     ("nvfp4", 4096, 4096, 1, False, 4 * (8 * 128 + 4 * 576), 0, 1),  # 13312: the whole ring at once
     ("nvfp4", 4096, 4096, 16, False, 4 * (16 * 128 + 4 * 576), 0, 1),  # 17408
     ("nvfp4", 4096, 4096, 1, True, 4 * (8 * 128 + 4 * 576), 2, 1),  # the norm: always 2 ahead
-    ("nvfp4", 28672, 8192, 1, False, 18432, 0, 1),  # 2-step stages
+    ("nvfp4", 28672, 8192, 1, False, 18432, 3, 1),  # 2 x (1024 + 14 x 576) rounded up: 2-step stages, 3 ahead
+    ("mxfp4", 28672, 4096, 8, False, 17408, 3, 1),  # 2 x (1024 + 14 x 544) rounded up
+    ("mxfp8", 28672, 8192, 1, False, 31744, 3, 1),  # 2 x (1024 + 14 x 1056) rounded up
+    ("nvfp4", 8192, 4160, 1, False, 2 * (8 * 128 + 8 * 576), 0, 1),  # 11264: odd pairs of K steps, small stages
     ("nvfp4", 28672, 8192, 16, False, 40960, 2, 1),  # 4 steps, 40448 rounded up; four warps per pair
     ("mxfp8", 28672, 8192, 16, False, 33792, 0, 2),  # 2 x (2048 + 14 x 1056) rounded up; 2 steps, 2 warps a pair
     ("mxfp8", 4096, 4096, 1, False, 21504, 0, 1),  # 4 x (1024 + 4 x 1056) rounded up, but 4 row groups at M <= 8
@@ -257,7 +261,8 @@ def test_ring_config_stage_size_follows_m_and_the_norm(m, norm, want):
 ])
 def test_ring_config_first_fill_and_accumulators(fmt, n, k, m, norm, stage, lead, chains):
     """The first fill runs FIRST_FILL_LEAD stages ahead on 4-step stages of LEAD_STAGE_BYTES (20 KB) or more (up to
-    M = 8 on FEW_GROUPS or more row groups) and on calls carrying the norm; 2 accumulators per row group where a warp
+    M = 8 on FEW_GROUPS or more row groups) and on calls carrying the norm, SHORT_STAGE_LEAD (3) on 2-step stages of
+    16 KB or more on FEW_GROUPS or more row groups up to M = 8; 2 accumulators per row group where a warp
     takes a pair of row groups with one other warp (the stage bytes computed by hand: x's block_m rows of 128 bytes
     and the row groups' 512 bytes of words plus 64 (NVFP4) or 32 (MX) of scales, or MXFP8's 1024 + 32, per K step)."""
     cfg = D.ring_config(m, n, k, FMT_CODE[fmt], norm=norm)

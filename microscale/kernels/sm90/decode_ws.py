@@ -33,9 +33,12 @@ MAX_STAGE_BYTES_M8 = 32 * 1024
 MAX_STAGES = 5  # rings of 2-step stages: 5 stages beat 6-8 (ring_config)
 # A ring of 4-step stages of LEAD_STAGE_BYTES or more (at M = 9-16, or up to M = 8 on FEW_GROUPS or more row groups),
 # and a call carrying the norm, keeps FIRST_FILL_LEAD stages of its first fill in flight instead of issuing the whole
-# ring at once (ring_config's docstring)
+# ring at once; up to M = 8 a ring of 2-step stages of SHORT_LEAD_STAGE_BYTES or more on FEW_GROUPS or more row
+# groups keeps SHORT_STAGE_LEAD (ring_config's docstring)
 LEAD_STAGE_BYTES = 20 * 1024
 FIRST_FILL_LEAD = 2
+SHORT_LEAD_STAGE_BYTES = 16 * 1024
+SHORT_STAGE_LEAD = 3
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
 MAX_RING_STEPS = 16  # K steps a ring holds at most
 # Shared memory asked for under a programmatic dependent launch: two CTAs sharing an SM (the next call's,
@@ -142,8 +145,15 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
       M = 16 -2.2 to -5.3%. Up to M = 8 only on FEW_GROUPS or more row groups: MXFP8's 4-group tilings gain plain
       (4096x4096 M = 1 -2.5 to -5.5%, 8192x8192 M = 8 -2.5%) but lose under programmatic launches, the decode
       step's (4096x4096 and 4096x14336 M = 1 +0.6 to +1.3%). Smaller stages lose by it (NVFP4 4096x4096 M = 1
-      +0.7%, programmatic +2.1%; M = 16 +1.1%), 2-step stages gain nothing (28672x8192 M = 1 -0.1 to +0.5%, MXFP8
-      M = 16 +1.7%); 1 stage ahead loses everywhere (+0.8 to +7.3%), 3 is level with 2.
+      +0.7%, programmatic +2.1%; M = 16 +1.1%), 2-step stages gain nothing by 2 (28672x8192 M = 1 -0.1 to +0.5%,
+      MXFP8 M = 16 +1.7%); 1 stage ahead loses everywhere (+0.8 to +7.3%), 3 is level with 2.
+    - Up to M = 8 a ring of 2-step stages of SHORT_LEAD_STAGE_BYTES or more on FEW_GROUPS or more row groups (the
+      14-group tilings' 4-5 stages of 18-31 KB) keeps SHORT_STAGE_LEAD stages in flight (session 38, runs 37b, 38a, 38b; plain / programmatic): NVFP4
+      28672x8192 M = 1 -0.4 to -0.6% / -0.1 to +0.5%, M = 4-8 -1.2 to -1.5% / -0.5 to +0.9%; MXFP4 28672x8192 M = 1
+      -2.0 to -2.2% / -0.6 to -1.0%, M = 4-8 -1.7 to -2.0% / -1.0 to -1.3%; 28672x4096 NVFP4 M = 1 and 8 -1.7 to
+      -1.8% / -0.6 to -0.7%, MXFP4 M = 1 -2.2% / -1.3%; MXFP8 28672x8192 M = 1-4 -0.5 to -1.1% / -0.9 to -1.9%, M = 8
+      level. Not with the norm: the Llama-8B batch-1 step's q/k/v and gate/up (4-step stages) with 3 ahead instead of
+      2 took 1.767 / 1.766 ms against 1.737 / 1.736 (way (e), 200 replays, two rounds, run 38a).
     - At M = 9-16 on pairs of row groups with two warps each, 2 accumulators per row group: a K step's 4 MMAs form two
       dependent chains instead of one. NVFP4 8192x8192 M = 16 -2.7 to -4.3% (with the lead -6.7% against neither),
       8192x28672 -3.1 to -4.8% (-5.9%), MXFP4 -2.0 to -2.2%. Not elsewhere: four warps per pair, held to 64 registers a
@@ -174,9 +184,12 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
         cfg = replace(cfg, steps=2, k_warps=min(k_warps, 2))
     stage = cfg.stage_bytes(fmt_code)
     stages = min(MAX_STAGES, MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // stage)
-    lead = norm or cfg.steps == 4 and stage >= LEAD_STAGE_BYTES and (block_m == 16 or not few)
-    return replace(cfg, stages=max(2, stages), lead=FIRST_FILL_LEAD if lead else 0,
-                   chains=2 if pairs and cfg.k_warps == 2 else 1)
+    if norm or cfg.steps == 4 and stage >= LEAD_STAGE_BYTES and (block_m == 16 or not few):
+        lead = FIRST_FILL_LEAD
+    else:
+        short = cfg.steps == 2 and block_m == 8 and not few and stage >= SHORT_LEAD_STAGE_BYTES
+        lead = SHORT_STAGE_LEAD if short else 0
+    return replace(cfg, stages=max(2, stages), lead=lead, chains=2 if pairs and cfg.k_warps == 2 else 1)
 
 
 def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
