@@ -257,11 +257,14 @@ def test_ring_config_stage_size_follows_m_and_the_norm(m, norm, want):
     ("nvfp4", 28672, 8192, 16, False, 40960, 2, 1),  # 4 steps, 40448 rounded up; four warps per pair
     ("mxfp8", 28672, 8192, 16, False, 33792, 0, 2),  # 2 x (2048 + 14 x 1056) rounded up; 2 steps, 2 warps a pair
     ("mxfp8", 4096, 4096, 1, False, 21504, 0, 1),  # 4 x (1024 + 4 x 1056) rounded up, but 4 row groups at M <= 8
+    ("mxfp8", 8192, 8192, 1, False, 21504, 2, 1),  # ... unless a CTA takes whole rows (split 1) of at most 8192
+    ("mxfp8", 8192, 28672, 1, False, 21504, 0, 1),  # ... longer rows: the whole ring at once
     ("mxfp8", 4096, 4096, 16, False, 25600, 2, 1),  # 4 x (2048 + 4 x 1056) rounded up, at M = 16
 ])
 def test_ring_config_first_fill_and_accumulators(fmt, n, k, m, norm, stage, lead, chains):
     """The first fill runs FIRST_FILL_LEAD stages ahead on 4-step stages of LEAD_STAGE_BYTES (20 KB) or more (up to
-    M = 8 on FEW_GROUPS or more row groups) and on calls carrying the norm, SHORT_STAGE_LEAD (3) on 2-step stages of
+    M = 8 on FEW_GROUPS or more row groups, or on a CTA taking whole rows of at most LONG_K) and on calls carrying the
+    norm, SHORT_STAGE_LEAD (3) on 2-step stages of
     16 KB or more on FEW_GROUPS or more row groups up to M = 8; 2 accumulators per row group where a warp
     takes a pair of row groups with one other warp (the stage bytes computed by hand: x's block_m rows of 128 bytes
     and the row groups' 512 bytes of words plus 64 (NVFP4) or 32 (MX) of scales, or MXFP8's 1024 + 32, per K step)."""
@@ -323,8 +326,11 @@ def test_ring_wins_where_measured():
             for f in ("nvfp4", "mxfp4", "mxfp8")
             for n, k in ((28672, 8192), (8192, 8192), (4096, 4096), (4096, 14336), (6144, 4096))}
     assert all(ms == [1, 2, 8, 9, 16] for (f, _, _), ms in wins.items() if f != "mxfp8")  # FP4: wherever it fills
-    # MXFP8: from M = 8, and below where the tiling splits K (the weights of 4096 rows and 6144x4096)
-    assert all(ms == ([1, 2, 8, 9, 16] if n <= 6144 else [8, 9, 16]) for (f, n, _), ms in wins.items() if f == "mxfp8")
+    # MXFP8: from M = 8, and below where the tiling splits K (the weights of 4096 rows and 6144x4096) or its CTAs of
+    # 4 row groups take whole rows of at most 8192 (8192x8192, first fill 2 stages ahead)
+    want_mxfp8 = {4096: [1, 2, 8, 9, 16], 6144: [1, 2, 8, 9, 16], 8192: [1, 2, 8, 9, 16], 28672: [8, 9, 16]}
+    assert all(ms == want_mxfp8[n] for (f, n, _), ms in wins.items() if f == "mxfp8")
+    assert [m for m in (1, 4, 8) if D.ring_wins(FMT_CODE["mxfp8"], m, 8192, 28672)] == [8]  # rows longer than 8192
     # with a norm in front MXFP8 takes it at every M it fills (the norm warp saves the norm kernel)
     assert all(D.ring_wins(FMT_CODE["mxfp8"], m, n, k, norm=True) for m in (1, 2, 4)
                for n, k in ((28672, 8192), (8192, 8192), (28672, 4096)))

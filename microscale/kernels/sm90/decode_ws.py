@@ -31,10 +31,10 @@ MAX_STAGE_BYTES = 48 * 1024
 # start on the first stage sooner and free the ring in finer parts (ring_config's docstring has the measurements)
 MAX_STAGE_BYTES_M8 = 32 * 1024
 MAX_STAGES = 5  # rings of 2-step stages: 5 stages beat 6-8 (ring_config)
-# A ring of 4-step stages of LEAD_STAGE_BYTES or more (at M = 9-16, or up to M = 8 on FEW_GROUPS or more row groups),
-# and a call carrying the norm, keeps FIRST_FILL_LEAD stages of its first fill in flight instead of issuing the whole
-# ring at once; up to M = 8 a ring of 2-step stages of SHORT_LEAD_STAGE_BYTES or more on FEW_GROUPS or more row
-# groups keeps SHORT_STAGE_LEAD (ring_config's docstring)
+# A ring of 4-step stages of LEAD_STAGE_BYTES or more (at M = 9-16, or up to M = 8 on FEW_GROUPS or more row groups
+# or on a CTA taking whole rows of at most LONG_K), and a call carrying the norm, keeps FIRST_FILL_LEAD stages of its
+# first fill in flight instead of issuing the whole ring at once; up to M = 8 a ring of 2-step stages of
+# SHORT_LEAD_STAGE_BYTES or more on FEW_GROUPS or more row groups keeps SHORT_STAGE_LEAD (ring_config's docstring)
 LEAD_STAGE_BYTES = 20 * 1024
 FIRST_FILL_LEAD = 2
 SHORT_LEAD_STAGE_BYTES = 16 * 1024
@@ -142,18 +142,23 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
       8192x8192 M = 1 -2.2 to -3.0%, M = 8 -2.5 to -3.3%, M = 16 -3.9 to -5.2%, 8192x28672 M = 1 -1.0 to -1.3%; MXFP4
       8192x8192 M = 1 -4.2 to -4.6%, M = 16 -5.9%, 8192x28672 -1.1 to -1.6%, 28672x8192 M = 16 -3.7%; NVFP4
       28672x4096 M = 16 -4.2%, 6144x4096 M = 16 -3.5% (MXFP4 -3.7%, MXFP8 -6.4%); MXFP8 4096x4096 and 4096x14336
-      M = 16 -2.2 to -5.3%. Up to M = 8 only on FEW_GROUPS or more row groups: MXFP8's 4-group tilings gain plain
-      (4096x4096 M = 1 -2.5 to -5.5%, 8192x8192 M = 8 -2.5%) but lose under programmatic launches, the decode
-      step's (4096x4096 and 4096x14336 M = 1 +0.6 to +1.3%). Smaller stages lose by it (NVFP4 4096x4096 M = 1
-      +0.7%, programmatic +2.1%; M = 16 +1.1%), 2-step stages gain nothing by 2 (28672x8192 M = 1 -0.1 to +0.5%,
-      MXFP8 M = 16 +1.7%); 1 stage ahead loses everywhere (+0.8 to +7.3%), 3 is level with 2.
+      M = 16 -2.2 to -5.3%. Up to M = 8 only on FEW_GROUPS or more row groups, or where a CTA of fewer takes whole
+      rows (split 1) of at most LONG_K (session 38, runs 38a-38d): NVFP4 14336x4096 -3.2 to -4.1% plain / -1.6 to
+      -3.0% programmatic; MXFP8 8192x8192 -0.7 to -3.2% / -1.3 to +0.1%, 8192x4096 -2.7 to -3.2% / -0.9 to -1.5%,
+      12288x4096 -0.7 to -1.5% / -0.5 to +0.2%, 10240x8192 -0.7 to -1.4% / +0.3 to +1.3%. Split-2 4-group tilings
+      gain plain (MXFP8 4096x4096 M = 1 -2.5 to -5.5%) but lose under programmatic launches, the decode step's
+      (4096x4096 and 4096x14336 M = 1 +0.6 to +1.3%), and so do rows of 28672 (MXFP8 8192x28672 +0.1 to +0.8% /
+      +0.4 to +1.0%). Smaller stages lose by it (NVFP4 4096x4096 M = 1 +0.7%, programmatic +2.1%; M = 16 +1.1%),
+      2-step stages gain nothing by 2 (28672x8192 M = 1 -0.1 to +0.5%, MXFP8 M = 16 +1.7%); 1 stage ahead loses
+      everywhere (+0.8 to +7.3%), 3 is level with 2.
     - Up to M = 8 a ring of 2-step stages of SHORT_LEAD_STAGE_BYTES or more on FEW_GROUPS or more row groups (the
-      14-group tilings' 4-5 stages of 18-31 KB) keeps SHORT_STAGE_LEAD stages in flight (session 38, runs 37b, 38a, 38b; plain / programmatic): NVFP4
-      28672x8192 M = 1 -0.4 to -0.6% / -0.1 to +0.5%, M = 4-8 -1.2 to -1.5% / -0.5 to +0.9%; MXFP4 28672x8192 M = 1
-      -2.0 to -2.2% / -0.6 to -1.0%, M = 4-8 -1.7 to -2.0% / -1.0 to -1.3%; 28672x4096 NVFP4 M = 1 and 8 -1.7 to
-      -1.8% / -0.6 to -0.7%, MXFP4 M = 1 -2.2% / -1.3%; MXFP8 28672x8192 M = 1-4 -0.5 to -1.1% / -0.9 to -1.9%, M = 8
-      level. Not with the norm: the Llama-8B batch-1 step's q/k/v and gate/up (4-step stages) with 3 ahead instead of
-      2 took 1.767 / 1.766 ms against 1.737 / 1.736 (way (e), 200 replays, two rounds, run 38a).
+      14-group tilings' 4-5 stages of 18-31 KB) keeps SHORT_STAGE_LEAD stages in flight (session 38, runs 37b, 38a,
+      38b; plain / programmatic): NVFP4 28672x8192 M = 1 -0.4 to -0.6% / -0.1 to +0.5%, M = 4-8 -1.2 to -1.5% /
+      -0.5 to +0.9%; MXFP4 28672x8192 M = 1 -2.0 to -2.2% / -0.6 to -1.0%, M = 4-8 -1.7 to -2.0% / -1.0 to -1.3%;
+      28672x4096 NVFP4 M = 1 and 8 -1.7 to -1.8% / -0.6 to -0.7%, MXFP4 M = 1 -2.2% / -1.3%; MXFP8 28672x8192
+      M = 1-4 -0.5 to -1.1% / -0.9 to -1.9%, M = 8 level. Not with the norm: the Llama-8B batch-1 step's q/k/v and
+      gate/up (4-step stages) with 3 ahead instead of 2 took 1.767 / 1.766 ms against 1.737 / 1.736 (way (e), 200
+      replays, two rounds, run 38a).
     - At M = 9-16 on pairs of row groups with two warps each, 2 accumulators per row group: a K step's 4 MMAs form two
       dependent chains instead of one. NVFP4 8192x8192 M = 16 -2.7 to -4.3% (with the lead -6.7% against neither),
       8192x28672 -3.1 to -4.8% (-5.9%), MXFP4 -2.0 to -2.2%. Not elsewhere: four warps per pair, held to 64 registers a
@@ -184,7 +189,8 @@ def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: boo
         cfg = replace(cfg, steps=2, k_warps=min(k_warps, 2))
     stage = cfg.stage_bytes(fmt_code)
     stages = min(MAX_STAGES, MAX_RING_STEPS // cfg.steps, IN_FLIGHT_BYTES // stage)
-    if norm or cfg.steps == 4 and stage >= LEAD_STAGE_BYTES and (block_m == 16 or not few):
+    one_cta_rows = split == 1 and kt * K_STEP <= LONG_K  # a CTA takes whole rows, at most LONG_K long
+    if norm or cfg.steps == 4 and stage >= LEAD_STAGE_BYTES and (block_m == 16 or not few or one_cta_rows):
         lead = FIRST_FILL_LEAD
     else:
         short = cfg.steps == 2 and block_m == 8 and not few and stage >= SHORT_LEAD_STAGE_BYTES
@@ -211,8 +217,12 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool 
       29c/29d, the same A/B): on the split-2 tilings (4096x4096, 6144x4096, 4096x14336) decode_ws is level to 11%
       faster plain and 7-27% faster programmatic (M = 1 4096x4096 8.51 -> 7.94 us plain); on the split-1 ones
       (8192x8192, 28672x4096, 28672x8192, 8192x28672) the Triton kernel, 8 programs per SM with one tile in
-      flight, is level to 9% faster plain (programmatic: from 7% faster to 10% slower). With the norm in front
-      decode_ws saves the norm kernel: the Llama-8B MXFP8 batch-1 step (bench/e2e.py way (e), run 29e) with
+      flight, is level to 9% faster plain (programmatic: from 7% faster to 10% slower). Since its first fill runs
+      ahead on 4-step rings of rows up to LONG_K (ring_config; session 38, runs 38b-38d, bench/ring_ab.py --triton)
+      decode_ws takes those too: 8192x8192 M = 1 from 0.8% slower to 2.5% faster plain over three runs, M = 2-4
+      2.6-6% faster, 8192x4096 6%, 12288x4096 0.8% faster, 10240x8192 1.8-2.8% slower; programmatic 7-16% faster on
+      all. The 14-group rings stay with the Triton kernel (28672x8192 M = 1-4 8-11% faster plain). With the norm in
+      front decode_ws saves the norm kernel: the Llama-8B MXFP8 batch-1 step (bench/e2e.py way (e), run 29e) with
       gate/up (28672x4096) on decode_ws 2.559 / 2.560 -> 2.448 / 2.447 ms.
     Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
     if m > MAX_M:
@@ -220,7 +230,8 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool 
     cfg = ring_config(m, n, k, fmt_code, sms, norm)
     if not fills(cfg, n, k, sms):
         return False
-    return fmt_code != 2 or m >= 8 or norm or cfg.split > 1
+    return fmt_code != 2 or m >= 8 or norm or cfg.split > 1 or cfg.steps == 4 and cfg.lead > 0  # MXFP8 at M <= 8:
+    # 4-step stages only on CTAs of few row groups, whose lead ring_config gives on rows up to LONG_K
 
 
 def fusions(m: int) -> frozenset:
