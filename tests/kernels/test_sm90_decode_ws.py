@@ -35,7 +35,8 @@ CONFIGS = (D.RingConfig(groups=14, steps=4, stages=3, split=1, k_warps=2), D.Rin
            D.RingConfig(block_m=16, groups=4, steps=4, stages=4, split=2, k_warps=2),
            D.RingConfig(block_m=16, groups=8, split=2, k_warps=2, groups_per_warp=2, chains=2, lead=2),
            D.RingConfig(groups=5, steps=2, stages=4, split=1, k_warps=2, chains=4, lead=1),
-           D.RingConfig(groups=14, steps=2, stages=5, split=1, lead=3))  # 28672x8192 up to M = 8
+           D.RingConfig(groups=14, steps=2, stages=5, split=1, lead=3),  # 28672x8192 up to M = 8
+           D.RingConfig(groups=4, steps=4, stages=4, split=1, k_warps=2, lead=2))  # MXFP8 8192x8192 up to M = 8
 
 
 NORM_CONFIGS = (CONFIGS[0], CONFIGS[1], CONFIGS[2], CONFIGS[6])  # 2 warps: split 1 and 2; 16 rows: split 1 and 3
