@@ -119,7 +119,7 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
 # row tiles (5 groups over 8 or 63 row groups), split-K over clusters of 2 and 3 (K = 256: 4 steps, so 2 + 2 or
 # 2 + 2 + 0), 16 groups (17 warps), two and four warps per row group (the latter where K has a multiple of 4 steps),
 # two row groups per warp (4 groups, split 2; 6 groups, 4 warps per pair of groups), 2 and 4 accumulators per row
-# group, first fills 2 and 1 stages ahead
+# group, first fills 1, 2 and 3 stages ahead (3: 14 row groups of 2-step stages; 2: 4 row groups taking whole rows)
 RING_CONFIGS = [None, dict(steps=2, stages=2, split=1), dict(groups=5, steps=2, stages=4, split=2),
                 dict(groups=4, steps=2, stages=3, split=3), dict(groups=16, steps=2, stages=4, split=1),
                 dict(groups=5, steps=2, stages=2, split=2, k_warps=2),
@@ -127,7 +127,9 @@ RING_CONFIGS = [None, dict(steps=2, stages=2, split=1), dict(groups=5, steps=2, 
                 dict(groups=4, steps=2, stages=3, split=2, k_warps=2, groups_per_warp=2),
                 dict(groups=6, steps=4, stages=2, split=1, k_warps=4, groups_per_warp=2),
                 dict(groups=4, steps=2, stages=4, split=2, k_warps=2, groups_per_warp=2, chains=2, lead=2),
-                dict(groups=5, steps=2, stages=3, split=1, chains=4, lead=1)]
+                dict(groups=5, steps=2, stages=3, split=1, chains=4, lead=1),
+                dict(groups=14, steps=2, stages=5, split=1, lead=3),
+                dict(groups=4, steps=4, stages=4, split=1, k_warps=2, lead=2)]
 
 
 def _ring_configs(m, k):
