@@ -230,8 +230,9 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool 
     cfg = ring_config(m, n, k, fmt_code, sms, norm)
     if not fills(cfg, n, k, sms):
         return False
-    return fmt_code != 2 or m >= 8 or norm or cfg.split > 1 or cfg.steps == 4 and cfg.lead > 0  # MXFP8 at M <= 8:
-    # 4-step stages only on CTAs of few row groups, whose lead ring_config gives on rows up to LONG_K
+    # MXFP8 below M = 8: split K, the norm, or a CTA of few row groups (MXFP8's only 4-step rings there) whose first
+    # fill ring_config runs ahead, on rows of at most LONG_K
+    return fmt_code != 2 or m >= 8 or norm or cfg.split > 1 or cfg.steps == 4 and cfg.lead > 0
 
 
 def fusions(m: int) -> frozenset:
