@@ -103,7 +103,7 @@ def test_wgmma_ws_kernel(fmt, m, n, k, seed):
     in 3; K = 224 in 4 parts of 1; K = 2080: 33 steps, the last part short), and the split chosen by
     split_for (M = 300, N = 1000: 16 tiles of 256 x 128, so 4 parts), A from registers (x permuted per K
     step, K = 2080 padded) alone and over clusters; M ragged against 32-256 rows. Without split-K y is written from
-    a tile in shared memory in 16-byte vectors, or element by element where y's rows are not 16-byte aligned
+    a tile in shared memory in 16-byte vectors (FP4), or element by element where y's rows are not 16-byte aligned
     (N = 203)."""
     from microscale.kernels.sm90 import prepare, wgmma_ws as W
     from microscale.kernels.sm90.decode import FMT_CODE
