@@ -94,14 +94,17 @@ def test_wgmma_kernel(fmt, m, n, k, seed):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m,n,k", [(1, 128, 256), (300, 1000, 2048 + 32), (700, 384, 1024), (1030, 200, 224)])
+@pytest.mark.parametrize("m,n,k", [(1, 128, 256), (300, 1000, 2048 + 32), (700, 384, 1024), (1030, 200, 224),
+                                   (257, 203, 512)])
 def test_wgmma_ws_kernel(fmt, m, n, k, seed):
     """The CUDA kernel in every launched form: one CTA per tile, 64-row wgmmas with a 2-stage ring that wraps
     (K = 224: 4 steps) and the tile order in groups of 3 m tiles (M = 1030: 17 tiles, the last group
     partial), split-K over clusters of 2, 3 and 4 CTAs (K = 256: 4 steps, so 1 per part, or 2 + 2 + 0
     in 3; K = 224 in 4 parts of 1; K = 2080: 33 steps, the last part short), and the split chosen by
     split_for (M = 300, N = 1000: 16 tiles of 256 x 128, so 4 parts), A from registers (x permuted per K
-    step, K = 2080 padded) alone and over clusters; M ragged against 32-256 rows."""
+    step, K = 2080 padded) alone and over clusters; M ragged against 32-256 rows. Without split-K y is written from
+    a tile in shared memory in 16-byte vectors (FP4), or element by element where y's rows are not 16-byte aligned
+    (N = 203)."""
     from microscale.kernels.sm90 import prepare, wgmma_ws as W
     from microscale.kernels.sm90.decode import FMT_CODE
     x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)

@@ -65,6 +65,11 @@ def test_sass_holds_the_pipeline(build, fmt, cfg):
     assert bool(re.search(rf"HGMMA\.64x{cfg.block_m}x16\.F32\.BF16 R\d+, R\d+, gdesc", code)) == cfg.rs
     if cfg.split > 1:  # partials summed through the cluster's shared memory: generic 16-byte loads, cluster barriers
         assert code.count("UCGABAR_ARV") == 2 and "LD.E.128" in code
+    # FP4 without split-K: the output tile goes through shared memory (2-byte stores) to y in 16-byte vectors, the 256
+    # consumers meeting at a barrier before and after; otherwise 2-byte stores straight from the registers
+    staged = cfg.split == 1 and fmt != "mxfp8"
+    assert ("STG.E.128" in code) == ("STS.U16" in code) == staged
+    assert bool(re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x3, 0x100", code)) == (staged or cfg.split > 1)
     res = resources[symbol]
     assert res["REG"] <= MAX_REGISTERS and res.get("LOCAL", 0) == 0, res
     assert cfg.smem_bytes(FMT_CODE[fmt]) <= W.SMEM_LIMIT
