@@ -39,7 +39,8 @@ constexpr int A_TILE_BYTES = 64 * X_ROW_BYTES;  // a warpgroup's decoded 64 x 64
 // padding, so that the 4 rows a warp's 2-byte stores touch at once (2 apart) fall 8 banks apart
 constexpr int STAGED_ROW_BYTES = 2 * ROWS + 16;
 // Measured on the H200 (sweep_h200.json run 39a, M = 2048-8192 on the benchmark's four weights, ratios to cuBLAS bf16
-// in the same run): staging the tile made NVFP4 and MXFP4 0.2-10% faster, MXFP8 0.7-7% slower.
+// in the same run): staging the tile made NVFP4 2-6% faster, MXFP4 up to 5% (one case 0.6% slower), MXFP8 1-4%
+// slower.
 template <int FMT> constexpr bool STAGED_STORE = FMT != 2;
 
 template <int FMT> constexpr int DATA_BYTES = FMT == 2 ? 1024 : 512;  // per row group and K step
