@@ -397,8 +397,8 @@ def write_table(results: dict, path="BENCHMARKS.md"):
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}. "
         "Times are per call from CUDA-graph replays of back-to-back calls (median of the replays; in runs from "
         "session 6 on, at M <= 64 the faster of two interleaved runs of ours and of cuBLAS; in the runs of "
-        "M >= 1024 from session 38 on, ours, cuBLAS bf16 and FP8 replayed in turn, replay by replay: the notes say which runs), every "
-        "contender's weights rotated over copies larger than the L2, random bf16 activations and weights. "
+        "M >= 1024 from session 38 on, ours, cuBLAS bf16 and FP8 replayed in turn, replay by replay: the notes say "
+        "which runs), every contender's weights rotated over copies larger than the L2, random bf16 activations and weights. "
         "Speed-up is over cuBLAS bf16 (`F.linear`) timed the same way in the same run; TB/s counts quantized "
         "weight + activation + output bytes; ceilings: copy "
         f"{COPY_TBPS} TB/s, bf16 {BF16_TFLOPS:.0f} / fp8 {FP8_TFLOPS:.0f} TFLOP/s (docs h200-baseline).",
