@@ -9,11 +9,12 @@ Times are per call, from CUDA-graph replays of back-to-back calls, with the weig
 contender rotated over copies totalling more than the L2, on fresh random data. Up to M = 64 (median of
 10 replays) ours and cuBLAS bf16 are timed twice, interleaved, and each keeps its faster run; above it
 (compute-bound, clocks moving with the GPU's power) ours, cuBLAS bf16 and FP8 are replayed in turn, 12
-times, and each keeps its median (_time_graphs). Our decode kernels are also timed as programmatic dependent launches (pdl_us), as a decode step under
-TORCHINDUCTOR_ENABLE_PDL=1 launches them; the plain launch is the headline figure.
-The eager dequantize-then-matmul (not capturable) uses triton.testing.do_bench.
-Also: the quantize kernel (bytes read + written against the copy ceiling), the decode-kernel tile
-sweep (--sweep) and the large-M alternatives (dequant+cuBLAS full or chunked, FP8).
+times, and each keeps its median (_time_graphs). Our decode kernels are also timed as programmatic dependent
+launches (pdl_us), as a decode step under TORCHINDUCTOR_ENABLE_PDL=1 launches them; the plain launch is the
+headline figure. The eager dequantize-then-matmul (not capturable) uses triton.testing.do_bench.
+Also: the quantize kernel (bytes read + written against the copy ceiling), the kernels' tile sweep (--sweep; per M
+the tiles that give the default tile's output are replayed in turn, as the contenders above M = 64) and the large-M
+alternatives (dequant+cuBLAS full or chunked, FP8).
 """
 
 import argparse
@@ -250,6 +251,7 @@ def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
         # is caught here, not after it became the default
         default = decode_ws.ring_config(m, n, k, FMT_CODE[fmt]) if kernel == "decode_ws" else config_class()
         expected = run(x, *prep, None, FMT_CODE[fmt], n, k, default).float()
+        m_recs, timed = [], []  # timed: (record, call) of the tiles that give the default's output
         for c in configs:
             cfg = dataclasses.replace(default, **c) if kernel == "decode_ws" else config_class(**c)
             if kernel == "decode" and (cfg.block_m > max(8, 2 * m) or cfg.reps % cfg.parts):  # smaller: several m tiles
@@ -262,13 +264,21 @@ def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
                 got = run(x, *prep, None, FMT_CODE[fmt], n, k, cfg).float()
                 rec["rel_diff_vs_default"] = ((got - expected).norm() / expected.norm()).item()
                 if rec["rel_diff_vs_default"] < 1e-3:  # as bench_quantize: a wrong tile is reported, not timed
-                    rec["us"] = _time_graph(lambda p: run(x, *p, None, FMT_CODE[fmt], n, k, cfg), preps)
+                    timed.append((rec, lambda p, cfg=cfg: run(x, *p, None, FMT_CODE[fmt], n, k, cfg)))
                 else:
                     rec["error"] = "output differs from the default tile's"
             except Exception as e:  # a configuration that does not compile or fit
                 print("config failed", c, str(e).splitlines()[0][:200], flush=True)
+            m_recs.append(rec)
+        # the tiles replayed in turn, as bench_shape's M > 64 contenders: timed one after the other, a long sweep of
+        # compute-bound tiles lowered the clocks for the later ones (session 38: the default wgmma_ws tile 1411 us
+        # after 24 tiles, 1262 us a minute later)
+        times = _time_graphs([(call, preps) for _, call in timed], **(dict(replays=12, calls=2) if m > 64 else {}))
+        for (rec, _), us in zip(timed, times):
+            rec["us"] = us
+        for rec in m_recs:
             print(json.dumps(rec), flush=True)
-            recs.append(rec)
+        recs += m_recs
     return recs
 
 

@@ -1,7 +1,7 @@
 """The benchmark harnesses that time the kernels. On the CPU, bench/ring_ab.py: the variants it times are
 ring_config's tiling with the alts' fields replaced, and --compile-only builds each distinct kernel once into the
 NVRTC cache (what the GPU machine then only times). On the GPU: ring_ab's rounds, bench/gemm.py's _time_graphs (every
-contender replayed alike) and bench_shape's records."""
+contender replayed alike), bench_shape's records and the tile sweep."""
 
 import dataclasses
 import importlib.util
@@ -108,3 +108,23 @@ def test_bench_shape_records_decode_and_large_m(gemm):
         assert r["speedup_vs_bf16"] == pytest.approx(r["bf16_us"] / r["us"])
     assert "pdl_us" in records[0] and "eager_us" in records[0]
     assert "pdl_us" not in records[1] and "eager_us" not in records[1]
+
+
+@pytest.mark.gpu
+def test_sweep_checks_each_tile_then_times_them_in_turn(gemm, monkeypatch):
+    """wgmma_ws tiles at one M: the two that give the default tile's output are timed by one _time_graphs call (their
+    graphs replayed in turn), and a tile that cannot be built (512 rows: more shared memory than an SM has) is
+    reported without a time."""
+    counted, time_graphs = [], gemm._time_graphs
+
+    def counting(contenders, **reps):
+        counted.append(len(contenders))
+        return time_graphs(contenders, **reps)
+    monkeypatch.setattr(gemm, "_time_graphs", counting)
+    records = gemm.sweep_kernel("nvfp4", 1024, 2048, [256], [dict(block_m=128), dict(block_m=256, stages=3),
+                                                            dict(block_m=512)], kernel="wgmma_ws")
+    assert counted == [2]
+    assert [(r["M"], r["block_m"], r["stages"]) for r in records] == [(256, 128, 4), (256, 256, 3), (256, 512, 4)]
+    for r in records[:2]:
+        assert r["us"] > 0 and r["rel_diff_vs_default"] < 1e-3
+    assert records[2]["us"] is None and records[2]["rel_diff_vs_default"] is None
