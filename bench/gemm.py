@@ -58,6 +58,10 @@ def _time_graph(call, copies, replays=10, calls=8):
     return _time_graphs([(call, copies)], replays, calls)[0]
 
 
+# long, compute-bound calls (M > 64): fewer calls per replay, more replays, every contender's graph in turn
+LONG_CALL_REPS = dict(replays=12, calls=2)
+
+
 def _time_graphs(contenders, replays=10, calls=8):
     """_time_graph of several (call, copies) at once: each captured in a graph of its own, the graphs replayed in
     turn, replay by replay, so that a slow stretch of the GPU (its clocks under power limits move compute-bound
@@ -170,7 +174,7 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
             # long, compute-bound calls: every contender's replays in turn, whose clocks move with the GPU's power
             # (session 38: the same wgmma_ws call 1421 us in one run, 1262 in another; cuBLAS 671-759 us on one
             # shape within a run)
-            times = _time_graphs(contenders, replays=12, calls=2)
+            times = _time_graphs(contenders, **LONG_CALL_REPS)
             rec.update(zip(("us", "bf16_us", "fp8_us"), times))
         if peers:
             if m <= 16:
@@ -273,7 +277,7 @@ def sweep_kernel(fmt, n, k, ms, configs, kernel="decode", seed=0):
         # the tiles replayed in turn, as bench_shape's M > 64 contenders: timed one after the other, a long sweep of
         # compute-bound tiles lowered the clocks for the later ones (session 38: the default wgmma_ws tile 1411 us
         # after 24 tiles, 1262 us a minute later)
-        times = _time_graphs([(call, preps) for _, call in timed], **(dict(replays=12, calls=2) if m > 64 else {}))
+        times = _time_graphs([(call, preps) for _, call in timed], **(LONG_CALL_REPS if m > 64 else {}))
         for (rec, _), us in zip(timed, times):
             rec["us"] = us
         for rec in m_recs:
@@ -408,9 +412,9 @@ def write_table(results: dict, path="BENCHMARKS.md"):
         "Times are per call from CUDA-graph replays of back-to-back calls (median of the replays; in runs from "
         "session 6 on, at M <= 64 the faster of two interleaved runs of ours and of cuBLAS; in the runs of "
         "M >= 1024 from session 38 on, ours, cuBLAS bf16 and FP8 replayed in turn, replay by replay: the notes say "
-        "which runs), every contender's weights rotated over copies larger than the L2, random bf16 activations and weights. "
-        "Speed-up is over cuBLAS bf16 (`F.linear`) timed the same way in the same run; TB/s counts quantized "
-        "weight + activation + output bytes; ceilings: copy "
+        "which runs), every contender's weights rotated over copies larger than the L2, random bf16 activations "
+        "and weights. Speed-up is over cuBLAS bf16 (`F.linear`) timed the same way in the same run; TB/s counts "
+        "quantized weight + activation + output bytes; ceilings: copy "
         f"{COPY_TBPS} TB/s, bf16 {BF16_TFLOPS:.0f} / fp8 {FP8_TFLOPS:.0f} TFLOP/s (docs h200-baseline).",
         "",
     ]
