@@ -64,6 +64,8 @@ def test_rule_by_m_dtype_and_architecture(monkeypatch):
     assert sm90.choose_kernel("mxfp8", 2048, {}) == "wgmma_ws"
     assert sm90.choose_kernel("nvfp4", 4096, {}) == "wgmma_ws"
     assert sm90.choose_kernel("mxfp8", 4097, {}) == "dequant"
+    assert sm90.choose_kernel("nvfp4", 8192, {}) == sm90.choose_kernel("mxfp4", 8192, {}) == "wgmma_ws"
+    assert sm90.choose_kernel("nvfp4", 8193, {}) == sm90.choose_kernel("mxfp4", 8193, {}) == "dequant"
     assert sm90.choose_kernel("nvfp4", 1024, {}, torch.float16) == "dequant"
     assert sm90.choose_kernel("nvfp4", 1024, {}, cc=(8, 9)) == "dequant"
     assert sm90.choose_kernel("nvfp4", 1024, {}, cc=(12, 0)) == "dequant"

@@ -491,6 +491,22 @@ def test_fp8_transcode_exact_and_counted(seed):
     assert wrong > 0 and inexact.item() == wrong
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_wgmma_ws_kernel_at_m_8192(fmt, seed):
+    """M = 8192, up to which the dispatch gives FP4 to wgmma_ws (WS_MAX_M): 32 m tiles of 256 rows taken in groups
+    of 8 (default_group_m at K = 4096), 4 n tiles, the last ragged, y through shared memory; against float64,
+    outputs poisoned with NaN first."""
+    from microscale.kernels import sm90
+    from microscale.kernels.sm90 import prepare, wgmma_ws as W
+    from microscale.kernels.sm90.decode import FMT_CODE
+    m, n, k = 8192, 392, 4096
+    assert sm90.choose_kernel(fmt, m, {}, n=n, k=k) == "wgmma_ws" and W.default_group_m(256, k) == 8
+    x, q, b, y64, mag = _case(fmt, m, n, k, torch.bfloat16, seed)
+    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    W.wgmma_ws_gemm(x, *prepare(q), b, FMT_CODE[fmt], n, k, out=y)
+    _check(y, y64, mag, k, torch.bfloat16)
+
+
 def test_dispatch_picks_sm90():
     from microscale.kernels import dispatch
     assert dispatch.select_backend("nvfp4", "cuda").name == "sm90"  # the kernel rule: test_sm90_dispatch.py

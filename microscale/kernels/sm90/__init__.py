@@ -21,7 +21,7 @@ gemm: picks the kernel from M and the options (docs/dispatch.md):
     "wgmma"   M <= WS_MIN_M - 1 (and M = 9-32 as above), bf16 activations, sm_90: dequantize per K
               step, wgmma with A from those registers or from shared memory (wgmma.py,
               launch.wgmma_config); also up to WGMMA_MAX_M when wgmma_ws cannot run
-    "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M, and from M = 33 on weights of
+    "wgmma_ws" bf16 activations, sm_90, WS_MIN_M <= M <= WS_MAX_M[format], and from M = 33 on weights of
               wgmma_ws.RS_MIN_WEIGHT elements or more: the warp-specialized CUDA kernel (wgmma_ws.py: TMA
               producer warp, two decoding warpgroups, split-K over clusters when the tiles are few)
     "dequant" otherwise (larger M, fp16/fp32 activations, other architectures, x that TMA cannot
@@ -59,11 +59,12 @@ FP8_MIN_M = 1024
 # sweep run 15e: faster than wgmma on all 12 weight x format cases at M = 96-512, e.g. 8192x8192 M = 128
 # 64.1 -> 39.3 us; at M = 64 wgmma's register-A tile stays level or ahead, except on weights of
 # wgmma_ws.RS_MIN_WEIGHT elements or more, where wgmma_ws with A from registers takes M = 33-64 too: runs
-# 15i/15j, 28672x8192 M = 64 94.5 -> 70.6 us); up to M = 4096, where it is ahead of dequant + cuBLAS in 31
-# of 36 format x shape x M records (the others within 1-6%); at M = 8192 dequant's extra pass over W has
-# shrunk against the GEMM and it is ahead on 9 of 12 (records of session 16, docs/dispatch.md)
+# 15i/15j, 28672x8192 M = 64 94.5 -> 70.6 us); up to M = 4096 for MXFP8 and 8192 for FP4 (gemm_h200.json, run
+# 39b, both kernels in one run: ahead of dequant + cuBLAS in 34 of the 36 format x shape records at M = 1024-4096;
+# at M = 8192, where dequant's extra pass over W has shrunk against the GEMM, on 6 of the 8 FP4 records, NVFP4
+# 28672x8192 0.97 against 0.94x cuBLAS bf16, and on 1 of MXFP8's 4 by 0.2%: its tiles are not staged, wgmma_ws.cuh)
 WS_MIN_M = 65
-WS_MAX_M = 4096
+WS_MAX_M = {"nvfp4": 8192, "mxfp4": 8192, "mxfp8": 4096}
 KERNELS = ("decode_ws", "decode", "wgmma", "wgmma_ws", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
 NORM_QUERY = ("any norm weight", 0.0)  # fusions: options["rms_norm"] of a call that carries a norm
@@ -117,7 +118,7 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
     elif wgmma_ready:
         # below WS_MIN_M only where wgmma_ws would take A from registers (ws_config: the largest weights)
         ws_rs = m > DECODE_MAX_M and wgmma_ws.ws_config(m, n, k).rs
-        if tma_ready and (WS_MIN_M <= m <= WS_MAX_M or ws_rs):
+        if tma_ready and (WS_MIN_M <= m <= WS_MAX_M[fmt] or ws_rs):
             kernel = "wgmma_ws"
         else:
             kernel = "wgmma" if m <= WGMMA_MAX_M else "dequant"
