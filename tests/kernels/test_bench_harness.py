@@ -1,6 +1,6 @@
 """The benchmark harnesses that time the kernels. On the CPU, bench/ring_ab.py: the variants it times are
 ring_config's tiling with the alts' fields replaced, and --compile-only builds each distinct kernel once into the
-NVRTC cache (what the GPU machine then only times). On the GPU: ring_ab's rounds, bench/gemm.py's _time_graphs (every
+NVRTC cache (what the GPU machine then only times); bench/fixed_cost.py's line fit. On the GPU: ring_ab's rounds, bench/gemm.py's _time_graphs (every
 contender replayed alike), bench_shape's records and the tile sweep."""
 
 import dataclasses
@@ -32,6 +32,21 @@ def ring_ab():
 @pytest.fixture(scope="module")
 def gemm():
     return _bench_module("gemm")
+
+
+def test_fixed_cost_fit_finds_each_series_line(seed):
+    """fit(recs, op, n) is the least-squares line through op's records on n rows only: exact points of two lines per
+    row count (and another op) give back each line's intercept and rate."""
+    fixed_cost = _bench_module("fixed_cost")
+    g = torch.Generator().manual_seed(seed)
+    lines = {(op, n): (float(torch.rand(1, generator=g)) * 4, 3 + float(torch.rand(1, generator=g)) * 2)
+             for op in ("nvfp4", "bf16") for n in (28672, 8192)}
+    recs = [{"op": op, "N": n, "MB": mb, "us": fixed + mb / rate}
+            for (op, n), (fixed, rate) in lines.items() for mb in (10.0, 33.0, 70.0, 250.0)]
+    for (op, n), (fixed, rate) in lines.items():
+        got = fixed_cost.fit(recs, op, n)
+        assert (got["op"], got["N"]) == (op, n)
+        assert got["fixed_us"] == pytest.approx(fixed, abs=1e-9) and got["TBps"] == pytest.approx(rate, rel=1e-9)
 
 
 def test_variants_replace_the_alts_fields_of_ring_configs_tiling(ring_ab):
