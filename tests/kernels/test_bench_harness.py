@@ -1,7 +1,7 @@
 """The benchmark harnesses that time the kernels. On the CPU, bench/ring_ab.py: the variants it times are
 ring_config's tiling with the alts' fields replaced, and --compile-only builds each distinct kernel once into the
-NVRTC cache (what the GPU machine then only times); bench/fixed_cost.py's line fit. On the GPU: ring_ab's rounds, bench/gemm.py's _time_graphs (every
-contender replayed alike), bench_shape's records and the tile sweep."""
+NVRTC cache (what the GPU machine then only times); bench/fixed_cost.py's line fit. On the GPU: ring_ab's rounds,
+bench/gemm.py's _time_graphs (every contender replayed alike), bench_shape's records and the tile sweep."""
 
 import dataclasses
 import importlib.util
@@ -78,8 +78,8 @@ def test_compile_only_builds_each_distinct_kernel_once(ring_ab, tmp_path, monkey
 @pytest.mark.gpu
 def test_ab_case_times_every_variant_and_checks_its_output(ring_ab):
     """One round on a small weight: a lead changes when stages are issued, not the sums (equal to the base's); the
-    Triton decode kernel sums in another order (its equal_base is not asserted: it may round alike). Every output's error against the float64 product of the exact
-    dequantized weight is bf16 rounding."""
+    Triton decode kernel sums in another order (its equal_base is not asserted: it may round alike). Every output's
+    error against the float64 product of the exact dequantized weight is bf16 rounding."""
     records = list(ring_ab.ab_case("nvfp4", 4096, 4096, [1, 16], [{"lead": 1}], rounds=1, calls=8, triton=True))
     assert [(r["M"], r["variant"]) for r in records] == [
         (m, v) for m in (1, 16) for v in ("base", '{"lead": 1}', ring_ab.TRITON)]
