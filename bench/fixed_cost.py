@@ -46,15 +46,13 @@ def measure():
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             kernel = sm90.choose_kernel("nvfp4", 1, {}, x.dtype, torch.cuda.get_device_capability(), n, k=k)
             ours = lambda p: sm90.gemm(x, *p, None, fmt="nvfp4", n=n, k=k, options={"kernel": kernel})  # noqa: E731
-            times = {"ours": [], "bf16": []}
+            ours_us, bf16_us = [], []
             for _ in range(2):
-                times["ours"].append(gemm._time_graph(ours, preps, **REPS))
-                times["bf16"].append(gemm._time_graph(lambda b: F.linear(x, b), weights, **REPS))
-            for op, mb, us in (("nvfp4", nbytes / 1e6, min(times["ours"])), ("bf16", w.numel() * 2 / 1e6,
-                                                                               min(times["bf16"]))):
-                rec = {"op": op, "N": n, "K": k, "MB": mb, "us": us, "TBps": mb / us}
-                if op == "nvfp4":
-                    rec["backend"] = f"sm90:{kernel}"
+                ours_us.append(gemm._time_graph(ours, preps, **REPS))
+                bf16_us.append(gemm._time_graph(lambda b: F.linear(x, b), weights, **REPS))
+            for rec in ({"op": "nvfp4", "MB": nbytes / 1e6, "us": min(ours_us), "backend": f"sm90:{kernel}"},
+                        {"op": "bf16", "MB": w.numel() * 2 / 1e6, "us": min(bf16_us)}):
+                rec.update(N=n, K=k, TBps=rec["MB"] / rec["us"])
                 print(json.dumps(rec), flush=True)
                 recs.append(rec)
             del preps, weights
