@@ -308,7 +308,8 @@ TABLE_ROW = tl.constexpr(8)  # int32 per scale code: 8 breakpoint pairs, or 4 fo
 
 
 @triton.jit
-def nvfp4_table_kernel(G, AMAX, TABLE, G_FROM_AMAX: tl.constexpr, BREAKPOINTS: tl.constexpr, XK: tl.constexpr):
+def nvfp4_table_kernel(G, AMAX, TABLE, G_FROM_AMAX: tl.constexpr, BREAKPOINTS: tl.constexpr, XK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """TABLE[c] (TABLE_ROW int32) = what coding the elements of a block with E4M3 scale code c takes
     (code 0 stands for the 0.125 that replaces a zero scale), d = RN(scale / g) its divisor:
     - BREAKPOINTS, for 16-bit x of dtype XK (quantize_kernel's PACKED): b_0 .. b_7, each in both
@@ -324,7 +325,11 @@ def nvfp4_table_kernel(G, AMAX, TABLE, G_FROM_AMAX: tl.constexpr, BREAKPOINTS: t
     float32 F <= d * 2**-150 (a quotient rounds to zero exactly when it is at most 2**-150), taken
     to x's dtype within one ulp; the quotient moves b_i at most one more ulp from mid_i * d, so
     b_i is the first of the five values around the estimate whose quotient passes the test.
+    PDL: quantize_kernel, launched next as a programmatic dependent launch, may start at once (it loads x, then
+    waits for this grid before it reads G and TABLE).
     """
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if G_FROM_AMAX:
         amax = tl.load(AMAX).to(tl.float32, bitcast=True)
         g = tl.div_rn(tl.full([], GLOBAL_NUMERATOR, tl.float32), amax)
@@ -484,7 +489,7 @@ def quantize_kernel(
     X, DATA, SCALE, G, TABLE, M, K, n_cols, stride_xm, MASK_WEIGHT,
     FMT: tl.constexpr, MODE: tl.constexpr, SWIZZLED: tl.constexpr, NATIVE: tl.constexpr, HW_E4M3: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, SPREAD: tl.constexpr,
-    ROTATION: tl.constexpr = 0, XK: tl.constexpr = 0, PACKED: tl.constexpr = False,
+    ROTATION: tl.constexpr = 0, XK: tl.constexpr = 0, PACKED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """FMT 0 = NVFP4 (compressed-tensors recipe), 1 = MXFP4, 2 = MXFP8; MODE = _SCALE_MODE_CODE.
 
@@ -509,6 +514,8 @@ def quantize_kernel(
     not factor the constant out of its sum of multiply-adds.
     ROTATION (16 or 32, 0 for none): quantize x R instead of x (_hadamard_rotate, right after the
     load; without data movement where a thread holds whole blocks, i.e. not SPREAD).
+    PDL (NVFP4, launched as a programmatic dependent launch right after nvfp4_table_kernel): x is loaded and its block
+    maxima taken while that kernel still runs; G and TABLE are read after griddepcontrol.wait.
     """
     C: tl.constexpr = BLOCK // VEC
     cols = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
@@ -536,6 +543,8 @@ def quantize_kernel(
             x = _hadamard_rotate(x, ROTATION)
         amax = tl.max(tl.max(tl.abs(x), axis=3), axis=2)  # [BLOCKS, BLOCK_M]
 
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     # Per block: the scale code, and what coding the elements takes: NVFP4 with PACKED the 8
     # breakpoint pairs, as [BLOCKS, BLOCK_M, 1, 4] twice (shaped as a chunk of words, so that a
     # thread holds them); otherwise dividing by the block's divisor d (x / d is the element before
@@ -659,6 +668,15 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _programmatic(device) -> bool:
+    """Whether NVFP4's quantize kernel runs as a programmatic dependent launch after the table kernel, its x loads
+    overlapping it (griddepcontrol: sm_90 and later, not under the interpreter)."""
+    if _interpreted():
+        return False
+    cc = compute_capability(device)
+    return cc is not None and cc >= (9, 0)
+
+
 def _given_global_scale(x: torch.Tensor, global_scale) -> torch.Tensor:
     """A given NVFP4 encode global scale as a float32 1-element tensor on x's device."""
     if not isinstance(global_scale, torch.Tensor):
@@ -715,6 +733,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
 
     g = table = None
     packed = _packed_words(x, spec, rotation)
+    pdl = bool(spec.global_scale) and _programmatic(x.device)
     xk = X_KIND.get(x.dtype, 0)  # read only where packed
     if spec.global_scale:
         table = torch.empty(128, TABLE_ROW.value, dtype=torch.int32, device=x.device)
@@ -728,7 +747,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
             g, amax = _given_global_scale(x, global_scale), None
         nvfp4_table_kernel[(TABLE_PROGRAMS.value,)](g, amax if amax is not None else g, table,
                                                     G_FROM_AMAX=amax is not None, BREAKPOINTS=packed, XK=xk,
-                                                    num_warps=4)
+                                                    PDL=pdl, num_warps=4)
 
     block_m, blocks, warps, spread = config or (ROTATED_TILE if rotation else TILE)[spec.name]
     grid = (triton.cdiv(m, block_m), triton.cdiv(n_cols, blocks))
@@ -741,7 +760,7 @@ def quantize_gpu(x: torch.Tensor, fmt, *, global_scale=None, scale_mode=ScaleMod
         FMT=fmt_code, MODE=_SCALE_MODE_CODE[ScaleMode(scale_mode)], SWIZZLED=scale_layout == "swizzled",
         NATIVE=not _interpreted(), HW_E4M3=fmt_code == 2 and _hardware_e4m3(x.device),
         BLOCK=spec.block, VEC=vec, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread, ROTATION=rotation or 0,
-        XK=xk, PACKED=packed, num_warps=warps,
+        XK=xk, PACKED=packed, PDL=pdl, num_warps=warps, launch_pdl=pdl,
     )
     return QTensor(data=data, scale=scale.view(spec.scale_dtype), fmt=spec, shape=(m, k),
                    global_scale=None if g is None else g.reshape(()), scale_layout=scale_layout,

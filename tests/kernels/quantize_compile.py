@@ -19,16 +19,16 @@ def compile_kernel(kernel, signature, constexprs, aligned, warps, cc=90):
     return triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps})
 
 
-def compile_quantize_kernel(fmt, tile, hw_e4m3=True, rotation=0, cc=90, fp16=False):
+def compile_quantize_kernel(fmt, tile, hw_e4m3=True, rotation=0, cc=90, fp16=False, pdl=False):
     """quantize_kernel for bf16 (fp16) x with the format's `tile` entry (TILE or ROTATED_TILE): (compiled,
     spread). NVFP4 reads x as words of element pairs where quantize_gpu does: unrotated, and bf16 from
-    sm_90 on, fp16 on any GPU."""
+    sm_90 on, fp16 on any GPU; pdl: built to wait for the table kernel (quantize_gpu's NVFP4 from sm_90 on)."""
     spec = get_format(fmt)
     block_m, blocks, warps, spread = tile[spec.name]
     packed = spec.global_scale and not rotation and (cc >= 90 or fp16)
     constexprs = dict(FMT=("nvfp4", "mxfp4", "mxfp8").index(fmt), MODE=1, SWIZZLED=True, NATIVE=True,
                       HW_E4M3=hw_e4m3, BLOCK=spec.block, VEC=8, BLOCK_M=block_m, BLOCKS=blocks, SPREAD=spread,
-                      ROTATION=rotation, XK=int(fp16), PACKED=packed)
+                      ROTATION=rotation, XK=int(fp16), PACKED=packed, PDL=pdl)
     element = "*fp16" if fp16 else "*bf16"
     signature = {"X": "*i32" if packed else element, "DATA": "*i32" if spec.packed else "*u8", "SCALE": "*u8",
                  "G": "*fp32", "TABLE": "*i32", "M": "i32", "K": "i32", "n_cols": "i32", "stride_xm": "i32",

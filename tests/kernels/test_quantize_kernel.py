@@ -295,6 +295,22 @@ def test_quantize_kernel_sass_sm90(fmt, tmp_path):
         assert any(o.startswith("F2FP.SATFINITE.E4M3") for o in ops)
 
 
+def test_nvfp4_quantize_loads_x_before_waiting_for_the_table_sm90(tmp_path):
+    """Built for a programmatic dependent launch (quantize_gpu's NVFP4 from sm_90 on), the kernel issues its x loads
+    (the thread's 4 16-byte words of bf16 pairs) before griddepcontrol.wait (SASS ACQBULK), and reads the global scale
+    and the table, which nvfp4_table_kernel writes, only after it; built without, it has no wait."""
+    from quantize_compile import compile_quantize_kernel, sass_instructions
+
+    from microscale.kernels import quantize as qk
+
+    assert "ACQBULK" not in sass_instructions(compile_quantize_kernel("nvfp4", qk.TILE)[0], tmp_path)
+    ops = sass_instructions(compile_quantize_kernel("nvfp4", qk.TILE, pdl=True)[0], tmp_path)
+    wait = ops.index("ACQBULK")
+    assert ops.count("ACQBULK") == 1 and ops[:wait].count("LDG.E.128") == 4
+    assert not any(o.startswith("LDG") and o != "LDG.E.128" for o in ops[:wait])  # no G load before the wait
+    assert "LDG.E" in ops[wait:] and ops[wait:].count("LDG.E.128") == 4  # G, then 2 table rows per block
+
+
 # Instructions up to the last EXIT (the hot path, without the cold division subroutine after it) of
 # the FP4 tiles compiled for sm_90 (bf16 x): the E2M1 step in inline PTX took them from 745 (NVFP4)
 # and 551 (MXFP4) to 676 and 498; NVFP4's breakpoint comparisons to 456, and its mask sums as
@@ -314,6 +330,19 @@ def test_quantize_kernel_hot_path_length_sm90(fmt, tmp_path):
     if fmt == "nvfp4":  # 16 words of bf16 pairs per thread, 8 comparisons each; the masks summed by IMAD
         base = [o.split(".")[0] for o in hot]
         assert base.count("HSET2") == 128 and base.count("IADD3") <= 8, (base.count("HSET2"), base.count("IADD3"))
+
+
+def test_programmatic_launch_only_from_sm90_and_not_interpreted(monkeypatch):
+    """NVFP4's quantize kernel follows the table kernel as a programmatic dependent launch only where griddepcontrol
+    exists (sm_90 and later) and not under the interpreter."""
+    from microscale.kernels import quantize as qk
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for cc, want in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True), (None, False)):
+        monkeypatch.setattr(qk, "compute_capability", lambda device, cc=cc: cc)
+        assert qk._programmatic(torch.device("cuda")) is want, cc
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert qk._programmatic(torch.device("cuda")) is False
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
