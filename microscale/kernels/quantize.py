@@ -514,8 +514,8 @@ def quantize_kernel(
     not factor the constant out of its sum of multiply-adds.
     ROTATION (16 or 32, 0 for none): quantize x R instead of x (_hadamard_rotate, right after the
     load; without data movement where a thread holds whole blocks, i.e. not SPREAD).
-    PDL (NVFP4, launched as a programmatic dependent launch right after nvfp4_table_kernel): x is loaded and its block
-    maxima taken while that kernel still runs; G and TABLE are read after griddepcontrol.wait.
+    PDL (NVFP4, launched as a programmatic dependent launch right after nvfp4_table_kernel): x's loads are issued
+    while that kernel still runs; G and TABLE are read after griddepcontrol.wait.
     """
     C: tl.constexpr = BLOCK // VEC
     cols = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
@@ -641,13 +641,16 @@ def _check_rotation(rotation, spec, k: int):
         raise ValueError(f"quantize_gpu: K={k} of x is not a multiple of the rotation block {rotation}")
 
 
+def _gpu_at_least(device, cc: tuple) -> bool:
+    """Whether the kernels run compiled (not under the interpreter) on a GPU of compute capability cc or later."""
+    have = None if _interpreted() else compute_capability(device)
+    return have is not None and have >= cc
+
+
 def _hardware_e4m3(device) -> bool:
     """Whether the GPU converts float32 to E4M3 in hardware (sm_89 and later; A100 and older do not,
     and Triton refuses float8e4nv casts there)."""
-    if _interpreted():
-        return False
-    cc = compute_capability(device)
-    return cc is not None and cc >= (8, 9)
+    return _gpu_at_least(device, (8, 9))
 
 
 def _packed_words(x: torch.Tensor, spec, rotation) -> bool:
@@ -658,10 +661,7 @@ def _packed_words(x: torch.Tensor, spec, rotation) -> bool:
         return False
     if x.shape[1] % 2 or x.stride(0) % 2 or x.data_ptr() % 4:
         return False
-    if _interpreted() or x.dtype == torch.float16:
-        return True
-    cc = compute_capability(x.device)
-    return cc is not None and cc >= (9, 0)
+    return _interpreted() or x.dtype == torch.float16 or _gpu_at_least(x.device, (9, 0))
 
 
 def _interpreted() -> bool:
@@ -671,10 +671,7 @@ def _interpreted() -> bool:
 def _programmatic(device) -> bool:
     """Whether NVFP4's quantize kernel runs as a programmatic dependent launch after the table kernel, its x loads
     overlapping it (griddepcontrol: sm_90 and later, not under the interpreter)."""
-    if _interpreted():
-        return False
-    cc = compute_capability(device)
-    return cc is not None and cc >= (9, 0)
+    return _gpu_at_least(device, (9, 0))
 
 
 def _given_global_scale(x: torch.Tensor, global_scale) -> torch.Tensor:
