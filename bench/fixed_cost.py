@@ -4,10 +4,10 @@
 
 NVFP4 weights of N = 28672 and of N = 8192 rows over a range of K, timed as bench/gemm.py times M = 1 (CUDA-graph
 replays of 32 plain launches, weights rotated over copies larger than the L2; ours and cuBLAS interleaved, each
-keeping the faster of two runs). Per row count and side, a least-squares line through time against bytes gives the
-fixed cost (intercept) and the streaming rate (slope); an empty kernel in the same timing gives the launch gap. The
-question it answers: how much of a call's time does not shrink with its bytes, and how does that compare with cuBLAS
-(the M = 1 targets of 3.0-3.4x leave 11.3 us at NVFP4 8192x8192).
+keeping the faster of two runs: gemm._time_against_bf16). Per row count and side, a least-squares line through time
+against bytes gives the fixed cost (intercept) and the streaming rate (slope); an empty kernel in the same timing
+gives the launch gap. The question it answers: how much of a call's time does not shrink with its bytes, and how
+does that compare with cuBLAS (the M = 1 targets of 3.0-3.4x leave 11.3 us at NVFP4 8192x8192).
 """
 
 import argparse
@@ -25,7 +25,6 @@ import gemm  # noqa: E402
 from microscale.kernels import sm90  # noqa: E402
 
 SERIES = {28672: (1024, 2048, 4096, 8192, 16384), 8192: (2048, 4096, 8192, 14336, 28672)}
-REPS = dict(replays=10, calls=32)
 
 
 @triton.jit
@@ -35,7 +34,8 @@ def _empty(p):
 
 def measure():
     buf = torch.zeros(1, device="cuda")
-    recs = [{"op": "empty kernel", "us": gemm._time_graph(lambda c: _empty[(132,)](c), [buf, buf], **REPS)}]
+    empty_us = gemm._time_graph(lambda c: _empty[(132,)](c), [buf, buf], **gemm.SHORT_CALL_REPS)
+    recs = [{"op": "empty kernel", "us": empty_us}]
     for n, ks in SERIES.items():
         for k in ks:
             w, q = gemm._weights(n, k, "nvfp4", 0)
@@ -46,12 +46,10 @@ def measure():
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             kernel = sm90.choose_kernel("nvfp4", 1, {}, x.dtype, torch.cuda.get_device_capability(), n, k=k)
             ours = lambda p: sm90.gemm(x, *p, None, fmt="nvfp4", n=n, k=k, options={"kernel": kernel})  # noqa: E731
-            ours_us, bf16_us = [], []
-            for _ in range(2):
-                ours_us.append(gemm._time_graph(ours, preps, **REPS))
-                bf16_us.append(gemm._time_graph(lambda b: F.linear(x, b), weights, **REPS))
-            for rec in ({"op": "nvfp4", "MB": nbytes / 1e6, "us": min(ours_us), "backend": f"sm90:{kernel}"},
-                        {"op": "bf16", "MB": w.numel() * 2 / 1e6, "us": min(bf16_us)}):
+            ours_us, _, bf16_us = gemm._time_against_bf16(ours, preps, lambda b: F.linear(x, b), weights, False,
+                                                          **gemm.SHORT_CALL_REPS)
+            for rec in ({"op": "nvfp4", "MB": nbytes / 1e6, "us": ours_us, "backend": f"sm90:{kernel}"},
+                        {"op": "bf16", "MB": w.numel() * 2 / 1e6, "us": bf16_us}):
                 rec.update(N=n, K=k, TBps=rec["MB"] / rec["us"])
                 print(json.dumps(rec), flush=True)
                 recs.append(rec)

@@ -58,6 +58,9 @@ def _time_graph(call, copies, replays=10, calls=8):
     return _time_graphs([(call, copies)], replays, calls)[0]
 
 
+# short calls (M <= 64): a replay costs about 3 us more than its calls (the graph's launch), so 32 calls amortize it
+# as a decode step's hundreds of kernels do (session 35: 8 calls put 0.3-0.5 us on every contender)
+SHORT_CALL_REPS = dict(replays=10, calls=32)
 # long, compute-bound calls (M > 64): fewer calls per replay, more replays, every contender's graph in turn
 LONG_CALL_REPS = dict(replays=12, calls=2)
 
@@ -104,6 +107,20 @@ def _time_launches(call, copies, pdl=True, **reps):
         return plain, None
     with programmatic_launches(True):
         return plain, _time_graph(call, copies, **reps)
+
+
+def _time_against_bf16(ours_call, preps, bf16_call, ws, pdl, **reps):
+    """Short calls (M <= 64): ours (plain and, with pdl, programmatic) and cuBLAS bf16 (bf16_call over ws; None:
+    not timed) timed twice, interleaved, each keeping its faster run, so that one slow stretch of the GPU inflates
+    neither side of the ratio (seen once: cuBLAS 121 us, not 110). Returns (ours, ours_pdl or None, bf16 or None)."""
+    ours, ours_pdl, bf16 = [], [], []
+    for _ in range(2):
+        plain, programmatic = _time_launches(ours_call, preps, pdl, **reps)
+        ours.append(plain)
+        ours_pdl.append(programmatic)
+        if bf16_call is not None:
+            bf16.append(_time_graph(bf16_call, ws, **reps))
+    return min(ours), min(ours_pdl) if pdl else None, min(bf16) if bf16 else None
 
 
 def _env():
@@ -153,23 +170,13 @@ def bench_shape(fmt, n, k, ms, *, kernels=None, peers=True, seed=0):
                             w8s)]
         pdl = m <= 64 and kernel in PDL_KERNELS
         if m <= 64:
-            # a replay costs about 3 us more than its calls (the graph's launch): 32 short calls amortize it as a
-            # decode step's hundreds of kernels do (session 35: 8 calls put 0.3-0.5 us on every contender).
-            # Ours and cuBLAS bf16 timed twice, interleaved, each keeping its faster run, so one slow stretch of
-            # the GPU inflates neither side of the ratio (seen once: cuBLAS 121 us, not 110)
-            reps = dict(replays=10, calls=32)
-            ours, ours_pdl, bf16 = [], [], []
-            for _ in range(2):
-                plain, programmatic = _time_launches(ours_call, preps, pdl, **reps)
-                ours.append(plain)
-                ours_pdl.append(programmatic)
-                if peers:
-                    bf16.append(_time_graph(*contenders[1], **reps))
-            rec["us"] = min(ours)
+            bf16_call, bf16_ws = contenders[1] if peers else (None, None)
+            rec["us"], pdl_us, bf16_us = _time_against_bf16(ours_call, preps, bf16_call, bf16_ws, pdl,
+                                                            **SHORT_CALL_REPS)
             if pdl:
-                rec["pdl_us"] = min(ours_pdl)
+                rec["pdl_us"] = pdl_us
             if peers:
-                rec["bf16_us"], rec["fp8_us"] = min(bf16), _time_graph(*contenders[2], **reps)
+                rec["bf16_us"], rec["fp8_us"] = bf16_us, _time_graph(*contenders[2], **SHORT_CALL_REPS)
         else:
             # long, compute-bound calls: every contender's replays in turn, whose clocks move with the GPU's power
             # (session 38: the same wgmma_ws call 1421 us in one run, 1262 in another; cuBLAS 671-759 us on one
