@@ -13,10 +13,11 @@
    wave of resident programs, K = 8192: time per byte against wave fill.
 3. (--probe ring) Read-only TMA rings as decode_ws runs them (one CTA per SM, a producer warp issuing
    1-D bulk copies into a ring of 2-4 stages (128 KB), a consumer warp releasing each stage as it lands, nothing
-   decoded), over the bytes of an NVFP4 weight (words and scales) in three orders: "split", words and
+   decoded), over the bytes of an NVFP4 weight (words and scales) in four orders: "split", words and
    scales in two arrays, each CTA's row groups as separate runs (layout.py's order, decode_ws's boxes);
    "interleaved", a row group's words and scales of a K step side by side; "contiguous", each CTA's
-   stages one run of bytes. Beside them, in the same process, the dispatch's kernel at M = 1 and cuBLAS
+   stages one run of bytes; "sweep", stage i of CTA c at (i x CTAs + c) stages, so that the CTAs read one moving
+   window of memory together. Beside them, in the same process, the dispatch's kernel at M = 1 and cuBLAS
    bf16 on the same weight shape.
 4. (--probe ws-bounds) decode_ws three ways on one weight: as it is ("full"), with the consumers skipping
    the decode and the MMAs ("stream"), and with the producer loading only the first STAGES stages and then
@@ -188,6 +189,8 @@ def ring_read(n, k, groups, split, steps, order):
             u = wb + sb
             return _stream(p, groups * kt * u, kt_part * u, kt * u, steps * u, steps * u, groups), _stream(0)
         seg = groups * steps * (wb + sb)
+        if order == "sweep":
+            return _stream(p, split * seg, seg, 0, tiles * split * seg, seg, 1), _stream(0)
         return _stream(p, groups * kt * (wb + sb), groups * kt_part * (wb + sb), 0, seg, seg, 1), _stream(0)
 
     smem = max(stages * stage_bytes + 1024 + 16 * stages, 116 * 1024)
@@ -472,7 +475,7 @@ def ring_probes():
         yield peers(n, k)
         for rnd in range(2):
             for steps in (4, 8):
-                for order in ("split", "interleaved", "contiguous"):
+                for order in ("split", "interleaved", "contiguous", "sweep"):
                     yield dict(ring_read(n, k, groups, split, steps, order), round=rnd)
 
 

@@ -1,7 +1,8 @@
 """The benchmark harnesses that time the kernels. On the CPU, bench/ring_ab.py: the variants it times are
 ring_config's tiling with the alts' fields replaced, and --compile-only builds each distinct kernel once into the
-NVRTC cache (what the GPU machine then only times); bench/fixed_cost.py's line fit. On the GPU: ring_ab's rounds,
-bench/gemm.py's _time_graphs (every contender replayed alike), bench_shape's records and the tile sweep."""
+NVRTC cache (what the GPU machine then only times); bench/fixed_cost.py's line fit and its launch-floor kernels. On
+the GPU: ring_ab's rounds, bench/gemm.py's _time_graphs (every contender replayed alike), bench_shape's records and
+the tile sweep."""
 
 import dataclasses
 import importlib.util
@@ -11,6 +12,7 @@ import os
 import pytest
 import torch
 
+from microscale.kernels import nvrtc
 from microscale.kernels.sm90 import decode_ws as D
 from microscale.kernels.sm90.decode import FMT_CODE
 
@@ -48,6 +50,19 @@ def test_fixed_cost_fit_finds_each_series_line(seed):
         assert (got["op"], got["N"]) == (op, n)
         assert got["fixed_us"] == pytest.approx(fixed, abs=1e-9) and got["TBps"] == pytest.approx(rate, rel=1e-9)
 
+
+
+def test_fixed_cost_floor_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+    """The launch-floor probe builds with no GPU: both kernels, and only the reading one loads from global memory."""
+    pytest.importorskip("cuda.core")
+    monkeypatch.setenv("MICROSCALE_CACHE_DIR", str(tmp_path))
+    fixed_cost = _bench_module("fixed_cost")
+    compiled = fixed_cost.compile_floor_kernels()
+    assert set(compiled.symbols) == set(fixed_cost.FLOOR_KERNELS)
+    sass = nvrtc.disassemble(compiled.cubin)
+    empty, read = (nvrtc.sass_opcodes(sass[compiled.symbols[name]]) for name in fixed_cost.FLOOR_KERNELS)
+    assert not [op for op in empty if op.startswith("LDG")]
+    assert [op for op in read if op.startswith("LDG")] == ["LDG.E.128.CONSTANT"]
 
 def test_variants_replace_the_alts_fields_of_ring_configs_tiling(ring_ab):
     base = D.ring_config(16, 8192, 8192, FMT_CODE["nvfp4"])
