@@ -19,10 +19,13 @@
    stages one run of bytes; "sweep", stage i of CTA c at (i x CTAs + c) stages, so that the CTAs read one moving
    window of memory together. Beside them, in the same process, the dispatch's kernel at M = 1 and cuBLAS
    bf16 on the same weight shape.
-4. (--probe ws-bounds) decode_ws three ways on one weight: as it is ("full"), with the consumers skipping
-   the decode and the MMAs ("stream"), and with the producer loading only the first STAGES stages and then
-   merely arriving on the full barriers ("consume": the consumers re-read the ring, no HBM traffic after
-   it is filled). The kernel source is patched as text for the two probes; their outputs are garbage.
+4. (--probe ws-bounds) decode_ws on one weight: as it is ("full"), with the consumers skipping the decode and
+   the MMAs ("stream"), and with the producer loading only the first STAGES stages and then merely arriving on
+   the full barriers ("consume": the consumers re-read the ring, no HBM traffic after it is filled). Beside
+   "stream", what of decode_ws's stream the read-only ring (probe 3) does not have: "stream-no-x" loads no x,
+   "stream-evict-normal" loads the weights without the evict-first hint, "stream-one-arrival" frees a stage when
+   one consumer warp is done with it instead of all. The kernel source is patched as text for the probes; their
+   outputs are garbage.
 5. (--probe ws-waits) decode_ws with clock64 sums around its ring waits (waits_source): per CTA, the share
    of the producer's time spent waiting for the consumers to free a stage and of the consumers' time spent
    waiting for a stage to land, medians over the CTAs of one call after warm-ups. Both shares large at once
@@ -232,8 +235,22 @@ def _ws_sources():
     weights = "        const u32 f = full + 8 * stage, base = smem + stage * L::STAGE;\n"
     x = "      auto load_x = [&](int i) {\n        const int stage = i % STAGES, kt = kt0 + i * STEPS;\n"
     never = "__device__ int ms_never = 0;\n"
+    stream = never + _splice(src, step, "        if (ms_never) ring_step<FMT, BM, GPW, ")
+    tx = weights + "        mbar_arrive_expect_tx(f, L::STAGE_TX);\n"
+    no_x = _splice(_splice(stream, tx, tx.replace("L::STAGE_TX", "L::STAGE_TX - L::X_BYTES")),
+                   x, x + "        return;\n")
+    hint = "      const u64 policy = evict_first_policy();\n"
+    normal = ('      u64 policy;\n'
+              '      asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));\n')
+    arrive = "      if (lane == 0) mbar_arrive(empty + 8 * stage);\n      if (++stage"
+    one_arrival = _splice(_splice(stream, "init_ring_barriers(full, empty, STAGES, CONSUMERS);",
+                                  "init_ring_barriers(full, empty, STAGES, 1);"),
+                          arrive, arrive.replace("lane == 0", "lane == 0 && warp == 0"))
     return {"full": src,
-            "stream": never + _splice(src, step, "        if (ms_never) ring_step<FMT, BM, GPW, "),
+            "stream": stream,
+            "stream-no-x": no_x,
+            "stream-evict-normal": _splice(stream, hint, normal),
+            "stream-one-arrival": one_arrival,
             "consume": _splice(_splice(src, weights, weights + "        if (i >= STAGES) { mbar_arrive(f); return; }\n"),
                                x, x + "        if (i >= STAGES) return;\n")}
 

@@ -41,7 +41,7 @@ def _build(text):
 
 def test_bounds_sources_build(probe):
     sources = probe._ws_sources()
-    assert set(sources) == {"full", "stream", "consume"}
+    assert set(sources) == {"full", "stream", "stream-no-x", "stream-evict-normal", "stream-one-arrival", "consume"}
     for text in sources.values():
         _build(text)
 
