@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 bench/stream_probe.py --out bench/results/stream_probe_h200.json
     PYTHONPATH=. python3 bench/stream_probe.py --probe ring --out bench/results/stream_ring_h200.json
     PYTHONPATH=. python3 bench/stream_probe.py --probe ws-waits|ws-timeline|ws-fill --out ...
+    PYTHONPATH=. python3 bench/stream_probe.py --probe ws-promotion --out ...
 
 1. (--probe read, the default) Read-only kernels over the bytes of an NVFP4 weight's words (no scales, no decode, no MMA) in
    the decode kernel's access pattern: a program of 4 warps over 4 row groups (64 rows) and one K
@@ -35,11 +36,16 @@
    per call, when the first stage lands, the loops and the CTAs end, and the gap to the next call; under
    programmatic launches (the calls overlap) only the time per call.
 7. (--probe ws-fill) decode_ws with the first ring fill `lead` stages ahead (RingConfig.lead) on several ring shapes.
+8. (--probe ws-promotion) decode_ws, as it is and as "stream" (probe 4), with its weight maps' L2 promotion (the size
+   the L2 rounds a TMA copy's misses up to) at 256B (the maps' default), 128B, 64B and none. A row group's K step is
+   576 bytes (NVFP4), so the words' 256-byte box rows and the scales' 64-byte ones start off the 256-byte grid; the
+   read-only ring of probe 3, 1-D bulk copies with no promotion, streams the same bytes about 3 us faster.
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import struct
@@ -471,6 +477,38 @@ def ws_timeline_probes():
         yield ws_timeline(*case, programmatic=True)
 
 
+@contextlib.contextmanager
+def _weight_map_promotion(promotion: str):
+    """wgmma_ws.weight_map_specs (the weight maps decode_ws launches with) at L2 promotion `promotion`."""
+    from microscale.kernels.sm90 import wgmma_ws
+    original = wgmma_ws.weight_map_specs
+    wgmma_ws.weight_map_specs = lambda *a, **kw: tuple(dataclasses.replace(spec, l2_promotion=promotion)
+                                                       for spec in original(*a, **kw))
+    try:
+        yield
+    finally:
+        wgmma_ws.weight_map_specs = original
+
+
+def ws_promotion(fmt, m, n, k, promotions=("256B", "128B", "64B", "none"), rounds=2):
+    call, copies, _, head = _ws_case(fmt, m, n, k)
+    rec = {"op": "ws promotion", **head}
+    sources = _ws_sources()
+    for _ in range(rounds):
+        for mode in ("full", "stream"):
+            with _decode_ws_source(sources[mode]):
+                for promotion in promotions:
+                    with _weight_map_promotion(promotion):
+                        rec.setdefault(f"{mode}_{promotion}", []).append(gemm._time_graph(call, copies))
+    return rec
+
+
+def ws_promotion_probes():
+    for fmt, m, n, k in (("nvfp4", 1, 28672, 8192), ("nvfp4", 1, 8192, 28672), ("nvfp4", 1, 8192, 8192),
+                         ("mxfp4", 1, 28672, 8192), ("mxfp8", 1, 8192, 8192), ("nvfp4", 1, 28672, 4096)):
+        yield ws_promotion(fmt, m, n, k)
+
+
 def ws_fill_probes():
     for case in WS_CASES:
         yield from ws_fill(*case)
@@ -511,7 +549,7 @@ def ws_bounds_probes():
 
 
 PROBES = {"read": read_probes, "ring": ring_probes, "ws-bounds": ws_bounds_probes, "ws-waits": ws_waits_probes,
-          "ws-timeline": ws_timeline_probes, "ws-fill": ws_fill_probes}
+          "ws-timeline": ws_timeline_probes, "ws-fill": ws_fill_probes, "ws-promotion": ws_promotion_probes}
 
 
 def main():

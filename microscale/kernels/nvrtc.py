@@ -179,13 +179,18 @@ def resource_usage(cubin: bytes) -> dict:
 # ---- tensor maps -----------------------------------------------------------------------------------
 
 
+L2_PROMOTIONS = {"none": "CU_TENSOR_MAP_L2_PROMOTION_NONE", "64B": "CU_TENSOR_MAP_L2_PROMOTION_L2_64B",
+                 "128B": "CU_TENSOR_MAP_L2_PROMOTION_L2_128B", "256B": "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"}
+
+
 @dataclass(frozen=True)
 class TensorMapSpec:
     """Arguments of cuTensorMapEncodeTiled for a uint8 tensor, dimensions innermost first.
 
     global_strides are in bytes for dimensions 1.. (dimension 0 is contiguous); a box is copied to
     shared memory densely in dimension order; swizzle is "128B" or "none"; out-of-bounds elements
-    read as zero (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE).
+    read as zero (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE); l2_promotion is the size the L2 rounds the copy's
+    misses up to ("none", "64B", "128B" or "256B").
     """
 
     address: int
@@ -193,6 +198,7 @@ class TensorMapSpec:
     global_strides: tuple
     box_dims: tuple
     swizzle: str
+    l2_promotion: str = "256B"
 
     @property
     def rank(self) -> int:
@@ -218,6 +224,8 @@ class TensorMapSpec:
             problems.append(f"128B swizzle needs an inner box of at most 128 bytes, got {self.box_dims[0]}")
         if self.box_dims[0] % 16:
             problems.append(f"inner box {self.box_dims[0]} bytes is not a multiple of 16")
+        if self.l2_promotion not in L2_PROMOTIONS:
+            problems.append(f"l2_promotion {self.l2_promotion!r} is none of {tuple(L2_PROMOTIONS)}")
         if problems:
             raise ValueError(f"tensor map {self}: " + "; ".join(problems))
 
@@ -244,7 +252,7 @@ def encode_tensor_map(spec: TensorMapSpec) -> bytes:
         [u64(d) for d in spec.global_dims], [u64(s) for s in spec.global_strides],
         [u32(b) for b in spec.box_dims], [u32(1)] * spec.rank,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        getattr(driver.CUtensorMapL2promotion, L2_PROMOTIONS[spec.l2_promotion]),
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if int(err) != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for {spec}")

@@ -10,6 +10,7 @@ launched as a 2-CTA cluster through the same launcher the GEMM uses.
 CPU-only checks of the same specs run in CI (test_tensor_map_specs_*); the rest is marked gpu.
 """
 
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -60,6 +61,12 @@ def test_tensor_map_spec_validation_names_the_problem():
                                 swizzle="128B")
     with pytest.raises(ValueError, match="not 16-byte aligned.*not multiples of 16"):
         bad.validate()
+    good = T.nvrtc.TensorMapSpec(address=0x1000, global_dims=(64, 4), global_strides=(64,), box_dims=(64, 4),
+                                 swizzle="none")
+    assert good.l2_promotion == "256B"
+    good.validate()
+    with pytest.raises(ValueError, match="l2_promotion '512B' is none of"):
+        dataclasses.replace(good, l2_promotion="512B").validate()
 
 
 # ---- on the GPU -------------------------------------------------------------------------------------------

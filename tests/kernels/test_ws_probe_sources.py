@@ -1,6 +1,8 @@
 """bench/stream_probe.py's patched decode_ws sources (probes 4 to 6) on the CPU: every patch point is found once
-and each variant builds for sm_90a, so a change to decode_ws.cuh that moves a line breaks here, not on the GPU."""
+and each variant builds for sm_90a, so a change to decode_ws.cuh that moves a line breaks here, not on the GPU. Probe
+8's weight maps at another L2 promotion: on the CPU the specs, on the GPU the encoded maps and decode_ws's output."""
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -86,3 +88,32 @@ def test_timeline_summary_of_hand_made_records(probe):
 def test_a_moved_patch_point_is_named(probe):
     with pytest.raises(RuntimeError, match="patch point"):
         probe._splice("a\nb\n", "c\n", "x")
+
+
+def test_weight_map_promotion_reaches_decode_ws_weight_maps_only_inside(probe):
+    """Probe 8 swaps the L2 promotion of the weight maps decode_ws launches with, for the block only."""
+    from microscale.kernels.sm90 import wgmma_ws
+    from microscale.kernels.sm90.layout import prepared_views
+    packed = torch.zeros(4, 8, 576, dtype=torch.uint8)  # NVFP4: 4 row groups, 8 K steps
+    data, scale = prepared_views(packed, "nvfp4")
+    with probe._weight_map_promotion("none"):
+        inside = wgmma_ws.weight_map_specs(data, scale, 0, 4, 2)
+    outside = wgmma_ws.weight_map_specs(data, scale, 0, 4, 2)
+    assert [s.l2_promotion for s in inside] == ["none", "none"] and [s.l2_promotion for s in outside] == ["256B"] * 2
+    assert [dataclasses.replace(s, l2_promotion="256B") for s in inside] == list(outside)
+
+
+@pytest.mark.gpu
+def test_weight_map_promotion_changes_the_maps_not_the_output(probe, seed):
+    """The promotion is encoded into the map (four promotions, four maps) and changes only how the L2 fetches:
+    decode_ws's output at every promotion is bit-equal to the default's (its numerics: test_sm90_gemm.py)."""
+    from microscale.kernels.sm90 import wgmma_ws
+    call, copies, _, _ = probe._ws_case("nvfp4", 1, 1024, 2048)
+    data, scale, _ = copies[0]
+    maps = {p: nvrtc.encode_tensor_map(dataclasses.replace(wgmma_ws.weight_map_specs(data, scale, 0, 8, 4)[0],
+                                                           l2_promotion=p)) for p in nvrtc.L2_PROMOTIONS}
+    assert len(set(maps.values())) == len(maps)
+    y = call(copies[0])
+    for promotion in nvrtc.L2_PROMOTIONS:
+        with probe._weight_map_promotion(promotion):
+            assert torch.equal(call(copies[0]), y), promotion
