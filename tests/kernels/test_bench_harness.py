@@ -51,7 +51,6 @@ def test_fixed_cost_fit_finds_each_series_line(seed):
         assert got["fixed_us"] == pytest.approx(fixed, abs=1e-9) and got["TBps"] == pytest.approx(rate, rel=1e-9)
 
 
-
 def test_fixed_cost_floor_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     """The launch-floor probe builds with no GPU: both kernels, and only the reading one loads from global memory."""
     pytest.importorskip("cuda.core")
@@ -63,6 +62,7 @@ def test_fixed_cost_floor_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     empty, read = (nvrtc.sass_opcodes(sass[compiled.symbols[name]]) for name in fixed_cost.FLOOR_KERNELS)
     assert not [op for op in empty if op.startswith("LDG")]
     assert [op for op in read if op.startswith("LDG")] == ["LDG.E.128.CONSTANT"]
+
 
 def test_variants_replace_the_alts_fields_of_ring_configs_tiling(ring_ab):
     base = D.ring_config(16, 8192, 8192, FMT_CODE["nvfp4"])
