@@ -40,6 +40,11 @@ FIRST_FILL_LEAD = 2
 SHORT_LEAD_STAGE_BYTES = 16 * 1024
 SHORT_STAGE_LEAD = 3
 IN_FLIGHT_BYTES = 128 * 1024  # a CTA's ring (one CTA per SM)
+# The L2 rounds a weight box's misses up to 128 bytes, not 256: a row group's K step is 576 bytes (NVFP4), so the
+# boxes' rows start off the 256-byte grid. Session 42 (bench/stream_probe.py --probe ws-promotion, run 42a), M = 1:
+# NVFP4 28672x8192 34.9 -> 33.5 us (the stream alone 36.0 -> 32.1, the read-only ring's speed), MXFP8 8192x8192
+# 20.0 -> 19.2; 64B and none in between.
+WEIGHT_L2_PROMOTION = "128B"
 MAX_RING_STEPS = 16  # K steps a ring holds at most
 # Shared memory asked for under a programmatic dependent launch: two CTAs sharing an SM (the next call's,
 # started early) made back-to-back calls of 28672x8192 take 51-52 us instead of 36 (session 19, run 19c)
@@ -326,7 +331,8 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
                              f"column stride, got {residual.dtype} of shape {tuple(residual.shape)}")
     tiles = -(-np_ // (ROW_GROUP * cfg.groups))  # a last tile past the rows reads zeros (TMA) and stores nothing
     steps = -(-kt // cfg.split // cfg.steps) * cfg.steps  # per K part, whole stages
-    args = (*wgmma_ws.map_args(x, cfg.block_m, data, scale, fmt_code, cfg.groups, cfg.steps), row_mult.data_ptr(),
+    maps = wgmma_ws.map_args(x, cfg.block_m, data, scale, fmt_code, cfg.groups, cfg.steps, WEIGHT_L2_PROMOTION)
+    args = (*maps, row_mult.data_ptr(),
             0 if bias is None else bias.data_ptr(), y.data_ptr(), np.int32(m), np.int32(n), np.int32(kt),
             np.int32(y.stride(0)), np.int32(steps), 0 if norm_weight is None else norm_weight.data_ptr(),
             np.float32(eps), np.int32(k), 0 if residual is None else residual.data_ptr(),

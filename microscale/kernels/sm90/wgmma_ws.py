@@ -135,28 +135,29 @@ def x_map_spec(x: torch.Tensor, box_rows: int) -> nvrtc.TensorMapSpec:
 
 
 def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int, box_groups: int = 8,
-                     box_steps: int = 1) -> tuple:
+                     box_steps: int = 1, l2_promotion: str = "256B") -> tuple:
     """The words [N/16, K/64, DATA bytes] as (256 bytes, DATA / 256, K steps, row groups) and the scales
     [N/16, K/64, SCALE bytes] as (SCALE bytes, K steps, row groups), both in their buffer's strides
     (layout.prepared_views), boxes of box_steps K steps of box_groups row groups (here one step of a CTA's 128
     rows; decode_ws: a ring stage): one copy each, landing in the order the consumers read (row group by row
-    group, each one's steps in K order)."""
+    group, each one's steps in K order). l2_promotion: nvrtc.TensorMapSpec's, for both maps."""
     layout.check_prepared(data, scale, decode.FMT_NAME[fmt_code], "sm90 tensor maps")
     data_bytes, scale_bytes = step_bytes(fmt_code)
     groups, kt, step, group = data.shape[0], data.shape[1], data.stride(1), data.stride(0)
     words = nvrtc.TensorMapSpec(address=data.data_ptr(), global_dims=(256, data_bytes // 256, kt, groups),
                                 global_strides=(256, step, group),
-                                box_dims=(256, data_bytes // 256, box_steps, box_groups), swizzle="none")
+                                box_dims=(256, data_bytes // 256, box_steps, box_groups), swizzle="none",
+                                l2_promotion=l2_promotion)
     scales = nvrtc.TensorMapSpec(address=scale.data_ptr(), global_dims=(scale_bytes, kt, groups),
                                  global_strides=(step, group), box_dims=(scale_bytes, box_steps, box_groups),
-                                 swizzle="none")
+                                 swizzle="none", l2_promotion=l2_promotion)
     return words, scales
 
 
 def map_args(x: torch.Tensor, box_rows: int, data: torch.Tensor, scale: torch.Tensor, fmt_code: int,
-             box_groups: int, box_steps: int) -> tuple:
+             box_groups: int, box_steps: int, l2_promotion: str = "256B") -> tuple:
     """The kernels' first three parameters, the tensor maps of x, the words and the scales, by value."""
-    specs = (x_map_spec(x, box_rows), *weight_map_specs(data, scale, fmt_code, box_groups, box_steps))
+    specs = (x_map_spec(x, box_rows), *weight_map_specs(data, scale, fmt_code, box_groups, box_steps, l2_promotion))
     return tuple(nvrtc.encode_tensor_map(s) for s in specs)
 
 
