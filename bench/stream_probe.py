@@ -37,9 +37,10 @@
    programmatic launches (the calls overlap) only the time per call.
 7. (--probe ws-fill) decode_ws with the first ring fill `lead` stages ahead (RingConfig.lead) on several ring shapes.
 8. (--probe ws-promotion) decode_ws, as it is and as "stream" (probe 4), with its weight maps' L2 promotion (the size
-   the L2 rounds a TMA copy's misses up to) at 256B (the maps' default), 128B, 64B and none. A row group's K step is
-   576 bytes (NVFP4), so the words' 256-byte box rows and the scales' 64-byte ones start off the 256-byte grid; the
-   read-only ring of probe 3, 1-D bulk copies with no promotion, streams the same bytes about 3 us faster.
+   the L2 rounds a TMA copy's misses up to) at 256B (TensorMapSpec's default), 128B (decode_ws's since session 42),
+   64B and none. A row group's K step is 576 bytes (NVFP4), so the words' 256-byte box rows and the scales' 64-byte
+   ones start off the 256-byte grid; at 256B the stream was about 3 us slower than the read-only ring of probe 3 (1-D
+   bulk copies, no promotion) over the same bytes, at 128B it is as fast (ws_probes_h200.json run 42a).
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
 
