@@ -159,6 +159,26 @@ def test_decode_ws_kernel(fmt, m, n, k, seed):
         _check(y, y64, mag, k, torch.bfloat16)
 
 
+def test_decode_ws_weight_maps_take_its_l2_promotion(monkeypatch, seed):
+    """decode_ws encodes its weight maps (not x's) with WEIGHT_L2_PROMOTION; the promotion changes only how the L2
+    fetches, so the output is bit-equal to the maps' default (256B)."""
+    from microscale.kernels import nvrtc
+    from microscale.kernels.sm90 import decode_ws as D, prepare
+    x, q, b, y64, mag = _case("nvfp4", 1, 640, 1024, torch.bfloat16, seed)
+    prep = prepare(q)
+    encoded, encode = [], nvrtc.encode_tensor_map
+    monkeypatch.setattr(nvrtc, "encode_tensor_map", lambda spec: encoded.append(spec) or encode(spec))
+    ys = {}
+    for promotion in (D.WEIGHT_L2_PROMOTION, "256B"):
+        monkeypatch.setattr(D, "WEIGHT_L2_PROMOTION", promotion)
+        encoded.clear()
+        ys[promotion] = torch.full((1, 640), float("nan"), device="cuda", dtype=torch.bfloat16)
+        D.decode_ws_gemm(x, *prep, b, 0, 640, 1024, out=ys[promotion])
+        assert [s.l2_promotion for s in encoded] == ["256B", promotion, promotion]  # x, words, scales
+    assert D.WEIGHT_L2_PROMOTION != "256B" and torch.equal(ys["256B"], ys[D.WEIGHT_L2_PROMOTION])
+    _check(ys["256B"], y64, mag, 1024, torch.bfloat16)
+
+
 def _gated_case(fmt, m, n, k, seed):
     """Gate and up weights [n, K] under one NVFP4 global scale, the fused weight of their row pairs
     (kernels/gated.py) and its bias; float64 silu(gate) * up and its error bound: the two products' fp32

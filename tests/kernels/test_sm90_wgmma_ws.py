@@ -6,6 +6,7 @@ gathering each box from its spec the way TMA does, against slices of the Hopper 
 The kernel's numerics run on the H200: tests/kernels/test_sm90_gemm.py (marked gpu).
 """
 
+import dataclasses
 import re
 
 import numpy as np
@@ -179,6 +180,18 @@ def test_weight_boxes_are_the_consumers_bytes(fmt, box_groups, box_steps, seed):
                 part = t[rows, kt:kt + box_steps]
                 want[:part.shape[0]] = part
                 np.testing.assert_array_equal(_gather_box(t, spec, origin), want.reshape(-1).numpy())
+
+
+@pytest.mark.parametrize("promotion", ["128B", "none"])
+def test_weight_maps_take_an_l2_promotion(promotion):
+    """The promotion reaches both weight maps and changes nothing else of them (x's map keeps the default)."""
+    data, scale, _ = prepare(quantize(torch.randn(64, 256), "nvfp4"))
+    default = W.weight_map_specs(data, scale, FMT_CODE["nvfp4"], 4, 2)
+    promoted = W.weight_map_specs(data, scale, FMT_CODE["nvfp4"], 4, 2, promotion)
+    assert [s.l2_promotion for s in default] == ["256B"] * 2 and [s.l2_promotion for s in promoted] == [promotion] * 2
+    assert [dataclasses.replace(s, l2_promotion="256B") for s in promoted] == list(default)
+    for spec in promoted:
+        spec.validate()
 
 
 def test_weight_maps_refuse_arrays_that_are_not_the_prepared_views():
