@@ -168,14 +168,14 @@ def test_decode_ws_weight_maps_take_its_l2_promotion(monkeypatch, seed):
     prep = prepare(q)
     encoded, encode = [], nvrtc.encode_tensor_map
     monkeypatch.setattr(nvrtc, "encode_tensor_map", lambda spec: encoded.append(spec) or encode(spec))
-    ys = {}
-    for promotion in (D.WEIGHT_L2_PROMOTION, "256B"):
+    ys, kept = {}, D.WEIGHT_L2_PROMOTION
+    for promotion in (kept, "256B"):
         monkeypatch.setattr(D, "WEIGHT_L2_PROMOTION", promotion)
         encoded.clear()
         ys[promotion] = torch.full((1, 640), float("nan"), device="cuda", dtype=torch.bfloat16)
         D.decode_ws_gemm(x, *prep, b, 0, 640, 1024, out=ys[promotion])
         assert [s.l2_promotion for s in encoded] == ["256B", promotion, promotion]  # x, words, scales
-    assert D.WEIGHT_L2_PROMOTION != "256B" and torch.equal(ys["256B"], ys[D.WEIGHT_L2_PROMOTION])
+    assert kept != "256B" and torch.equal(ys["256B"], ys[kept])
     _check(ys["256B"], y64, mag, 1024, torch.bfloat16)
 
 
