@@ -181,6 +181,7 @@ def resource_usage(cubin: bytes) -> dict:
 
 L2_PROMOTIONS = {"none": "CU_TENSOR_MAP_L2_PROMOTION_NONE", "64B": "CU_TENSOR_MAP_L2_PROMOTION_L2_64B",
                  "128B": "CU_TENSOR_MAP_L2_PROMOTION_L2_128B", "256B": "CU_TENSOR_MAP_L2_PROMOTION_L2_256B"}
+DEFAULT_L2_PROMOTION = "256B"
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ class TensorMapSpec:
     global_strides: tuple
     box_dims: tuple
     swizzle: str
-    l2_promotion: str = "256B"
+    l2_promotion: str = DEFAULT_L2_PROMOTION
 
     @property
     def rank(self) -> int:

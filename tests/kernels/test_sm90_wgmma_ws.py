@@ -184,7 +184,7 @@ def test_weight_boxes_are_the_consumers_bytes(fmt, box_groups, box_steps, seed):
 
 @pytest.mark.parametrize("promotion", ["128B", "none"])
 def test_weight_maps_take_an_l2_promotion(promotion):
-    """The promotion reaches both weight maps and changes nothing else of them (x's map keeps the default)."""
+    """The promotion reaches both weight maps and changes nothing else of them."""
     data, scale, _ = prepare(quantize(torch.randn(64, 256), "nvfp4"))
     default = W.weight_map_specs(data, scale, FMT_CODE["nvfp4"], 4, 2)
     promoted = W.weight_map_specs(data, scale, FMT_CODE["nvfp4"], 4, 2, promotion)

@@ -173,10 +173,10 @@ __device__ __forceinline__ void normalize_stages(u32 smem, u32 full, u32 ready, 
   }
 }
 
-template <int FMT, int BM, int RGS, int KW, int GPW, int CH, int LEAD, int STEPS, int STAGES, int SPLIT, int GATED,
-          int NORM, int RESID>
 // One CTA per SM (the launch asks for most of its shared memory): min blocks 1 lets ptxas give each thread the
 // registers the CTA's warps leave, where its occupancy heuristic spilled MXFP8 tilings into a stack frame
+template <int FMT, int BM, int RGS, int KW, int GPW, int CH, int LEAD, int STEPS, int STAGES, int SPLIT, int GATED,
+          int NORM, int RESID>
 __global__ void __launch_bounds__((RGS * KW / GPW + 1 + NORM) * 32, 1)
 decode_ws_gemm(const __grid_constant__ TensorMap x_tmap, const __grid_constant__ TensorMap data_tmap,
                const __grid_constant__ TensorMap scale_tmap, const float* __restrict__ row_mult,

@@ -332,9 +332,8 @@ def decode_ws_gemm(x, data, scale, row_mult, bias, fmt_code: int, n: int, k: int
     tiles = -(-np_ // (ROW_GROUP * cfg.groups))  # a last tile past the rows reads zeros (TMA) and stores nothing
     steps = -(-kt // cfg.split // cfg.steps) * cfg.steps  # per K part, whole stages
     maps = wgmma_ws.map_args(x, cfg.block_m, data, scale, fmt_code, cfg.groups, cfg.steps, WEIGHT_L2_PROMOTION)
-    args = (*maps, row_mult.data_ptr(),
-            0 if bias is None else bias.data_ptr(), y.data_ptr(), np.int32(m), np.int32(n), np.int32(kt),
-            np.int32(y.stride(0)), np.int32(steps), 0 if norm_weight is None else norm_weight.data_ptr(),
+    args = (*maps, row_mult.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), np.int32(m), np.int32(n),
+            np.int32(kt), np.int32(y.stride(0)), np.int32(steps), 0 if norm_weight is None else norm_weight.data_ptr(),
             np.float32(eps), np.int32(k), 0 if residual is None else residual.data_ptr(),
             np.int32(0 if residual is None else residual.stride(0)))
     programmatic = programmatic_launch(x.device)

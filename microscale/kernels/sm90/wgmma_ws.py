@@ -135,7 +135,7 @@ def x_map_spec(x: torch.Tensor, box_rows: int) -> nvrtc.TensorMapSpec:
 
 
 def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int, box_groups: int = 8,
-                     box_steps: int = 1, l2_promotion: str = "256B") -> tuple:
+                     box_steps: int = 1, l2_promotion: str = nvrtc.DEFAULT_L2_PROMOTION) -> tuple:
     """The words [N/16, K/64, DATA bytes] as (256 bytes, DATA / 256, K steps, row groups) and the scales
     [N/16, K/64, SCALE bytes] as (SCALE bytes, K steps, row groups), both in their buffer's strides
     (layout.prepared_views), boxes of box_steps K steps of box_groups row groups (here one step of a CTA's 128
@@ -155,7 +155,7 @@ def weight_map_specs(data: torch.Tensor, scale: torch.Tensor, fmt_code: int, box
 
 
 def map_args(x: torch.Tensor, box_rows: int, data: torch.Tensor, scale: torch.Tensor, fmt_code: int,
-             box_groups: int, box_steps: int, l2_promotion: str = "256B") -> tuple:
+             box_groups: int, box_steps: int, l2_promotion: str = nvrtc.DEFAULT_L2_PROMOTION) -> tuple:
     """The kernels' first three parameters, the tensor maps of x, the words and the scales, by value."""
     specs = (x_map_spec(x, box_rows), *weight_map_specs(data, scale, fmt_code, box_groups, box_steps, l2_promotion))
     return tuple(nvrtc.encode_tensor_map(s) for s in specs)
