@@ -11,6 +11,7 @@ CPU-only checks of the same specs run in CI (test_tensor_map_specs_*); the rest 
 """
 
 import dataclasses
+
 import numpy as np
 import pytest
 import torch
