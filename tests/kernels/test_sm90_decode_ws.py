@@ -327,16 +327,10 @@ def test_ring_config_never_launches_more_ctas_than_sms(seed):
 
 
 def test_ring_wins_where_measured():
-    wins = {(f, n, k): [m for m in (1, 2, 8, 9, 16) if D.ring_wins(FMT_CODE[f], m, n, k)]
-            for f in ("nvfp4", "mxfp4", "mxfp8")
-            for n, k in ((28672, 8192), (8192, 8192), (4096, 4096), (4096, 14336), (6144, 4096))}
-    assert all(ms == [1, 2, 8, 9, 16] for (f, _, _), ms in wins.items() if f != "mxfp8")  # FP4: wherever it fills
-    # MXFP8: from M = 8, and below where the tiling splits K (the weights of 4096 rows and 6144x4096) or its CTAs of
-    # 4 row groups take whole rows of at most 8192 (8192x8192, first fill 2 stages ahead)
-    want_mxfp8 = {4096: [1, 2, 8, 9, 16], 6144: [1, 2, 8, 9, 16], 8192: [1, 2, 8, 9, 16], 28672: [8, 9, 16]}
-    assert all(ms == want_mxfp8[n] for (f, n, _), ms in wins.items() if f == "mxfp8")
-    assert [m for m in (1, 4, 8) if D.ring_wins(FMT_CODE["mxfp8"], m, 8192, 28672)] == [8]  # rows longer than 8192
-    # with a norm in front MXFP8 takes it at every M it fills (the norm warp saves the norm kernel)
+    # every format at M <= 16 wherever the tiling fills the SMs (MXFP8 below M = 8 since session 43, run 43b)
+    for f in ("nvfp4", "mxfp4", "mxfp8"):
+        for n, k in ((28672, 8192), (8192, 28672), (8192, 8192), (4096, 4096), (4096, 14336), (6144, 4096)):
+            assert all(D.ring_wins(FMT_CODE[f], m, n, k) for m in (1, 2, 4, 8, 9, 16)), (f, n, k)
     assert all(D.ring_wins(FMT_CODE["mxfp8"], m, n, k, norm=True) for m in (1, 2, 4)
                for n, k in ((28672, 8192), (8192, 8192), (28672, 4096)))
     assert not D.ring_wins(FMT_CODE["nvfp4"], 17, 28672, 8192)  # M <= 16 only

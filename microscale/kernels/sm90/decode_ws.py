@@ -210,34 +210,23 @@ def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
 
 
 def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool = False) -> bool:
-    """Whether this kernel (ring_config's tiling) runs M <= 16 faster than the Triton decode kernel: FP4 wherever
-    the tiling fills the SMs (fills), MXFP8 from M = 8 and below it where the tiling splits K or the call carries
-    an RMSNorm (norm), which the norm warp takes and the Triton kernel leaves to a kernel of its own.
+    """Whether the dispatch gives M <= 16 to this kernel (ring_config's tiling) rather than the Triton decode kernel:
+    in every format wherever the tiling fills the SMs (fills). norm: the call carries an RMSNorm (ring_config's).
     - FP4 (session 28, bench/results/sweep_h200.json run 28d, the two kernels interleaved, plain and programmatic
       launches): with the split-K partials sent by st.async, decode_ws is faster at M = 1-16 on 8192x8192,
       8192x28672, 6144x4096, 28672x4096 and 28672x8192, NVFP4 and MXFP4 (M = 1: 1-6% plain, 6-23% programmatic;
       M = 8: 7-16% plain, 10-31% programmatic); on 4096x14336 programmatic 1-21% faster, plain level to 2.5% slower
       at M = 1-2 and level at M = 16.
-    - MXFP8 from M = 8 (session 18, run 18f: 4096x4096 M = 8 10.1 -> 8.8 us). At M = 1-4 (session 29, runs
-      29c/29d, the same A/B): on the split-2 tilings (4096x4096, 6144x4096, 4096x14336) decode_ws is level to 11%
-      faster plain and 7-27% faster programmatic (M = 1 4096x4096 8.51 -> 7.94 us plain); on the split-1 ones
-      (8192x8192, 28672x4096, 28672x8192, 8192x28672) the Triton kernel, 8 programs per SM with one tile in
-      flight, is level to 9% faster plain (programmatic: from 7% faster to 10% slower). Since its first fill runs
-      ahead on 4-step rings of rows up to LONG_K (ring_config; session 38, runs 38b-38d, bench/ring_ab.py --triton)
-      decode_ws takes those too: 8192x8192 M = 1 from 0.8% slower to 2.5% faster plain over three runs, M = 2-4
-      2.6-6% faster, 8192x4096 6%, 12288x4096 0.8% faster, 10240x8192 1.8-2.8% slower; programmatic 7-16% faster on
-      all. The 14-group rings stay with the Triton kernel (28672x8192 M = 1-4 8-11% faster plain). With the norm in
-      front decode_ws saves the norm kernel: the Llama-8B MXFP8 batch-1 step (bench/e2e.py way (e), run 29e) with
-      gate/up (28672x4096) on decode_ws 2.559 / 2.560 -> 2.448 / 2.447 ms.
+    - MXFP8 from M = 8 since session 18 (run 18f: 4096x4096 M = 8 10.1 -> 8.8 us) and at M = 1-4 on the split-2
+      tilings since session 29 (runs 29c/29d). On the split-1 tilings the Triton kernel stayed level to 11% faster at
+      M = 1-4 until decode_ws's weight maps went to 128-byte L2 promotion (session 42). Session 43 (run 43b,
+      bench/ring_ab.py --triton, one process, 2 rounds) at M = 1, 2 and 4, decode_ws against the Triton kernel, plain /
+      programmatic: 28672x8192 0.7-3.7% / 5.6-7.0% faster, 28672x4096 0.6-5.0% / 8.9-11.9%, 14336x4096 1.9-7.5% /
+      11-14%, 18944x3584 3.2-7.5% / 14-19%, 27648x5120 0.1-1.9% / 7.6-9.0%, 16384x16384 0.5-1.6% / 6.7-7.0%,
+      8192x53248 1.5-2.0% / 3.9-5.3%; 8192x28672 1.0% slower to 0.4% faster plain, 4.3-4.9% faster programmatic
+      (decode steps run programmatic launches).
     Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
-    if m > MAX_M:
-        return False
-    cfg = ring_config(m, n, k, fmt_code, sms, norm)
-    if not fills(cfg, n, k, sms):
-        return False
-    # MXFP8 below M = 8: split K, the norm, or a CTA of few row groups (MXFP8's only 4-step rings there) whose first
-    # fill ring_config runs ahead, on rows of at most LONG_K
-    return fmt_code != 2 or m >= 8 or norm or cfg.split > 1 or cfg.steps == 4 and cfg.lead > 0
+    return m <= MAX_M and fills(ring_config(m, n, k, fmt_code, sms, norm), n, k, sms)
 
 
 def fusions(m: int) -> frozenset:
