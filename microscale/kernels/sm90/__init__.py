@@ -12,10 +12,9 @@ unprepare: its inverse (layout.unshuffle_weights; bit-exact for what our quantiz
     layers need not keep both layouts.
 gemm: picks the kernel from M and the options (docs/dispatch.md):
     "fp8"     options["fp8_activations"] and an MX format and M >= FP8_MIN_M: E4M3 tensor cores
-    "decode_ws" bf16 activations, sm_90, M <= 16 where decode_ws.ring_wins (the weight's size, format and
-              M, and for MXFP8 whether the call carries a norm): a TMA producer warp streams weight stages
-              into a shared-memory ring, one or two consumer warps per 16 rows dequantize into mma.sync
-              (decode_ws.py)
+    "decode_ws" bf16 activations, sm_90, M <= 16 where decode_ws.ring_wins (its tiling fills the SMs): a TMA
+              producer warp streams weight stages into a shared-memory ring, one or two consumer warps per 16
+              rows dequantize into mma.sync (decode_ws.py)
     "decode"  M <= DECODE_MAX_M otherwise, except at M = 9-32 where launch.wgmma_beats_decode: dequantize in
               registers into mma.sync (decode.py)
     "wgmma"   M <= WS_MIN_M - 1 (and M = 9-32 as above), bf16 activations, sm_90: dequantize per K
@@ -67,7 +66,6 @@ WS_MIN_M = 65
 WS_MAX_M = {"nvfp4": 8192, "mxfp4": 8192, "mxfp8": 4096}
 KERNELS = ("decode_ws", "decode", "wgmma", "wgmma_ws", "dequant", "fp8")
 FP8_FORMATS = ("mxfp4", "mxfp8")
-NORM_QUERY = ("any norm weight", 0.0)  # fusions: options["rms_norm"] of a call that carries a norm
 
 
 SELFTEST_PAIRS = (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("mxfp8", "mxfp8"))  # (activations, weights)
@@ -93,8 +91,7 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
     """The dispatch rule (docs/dispatch.md); an explicit kernel (option or env var) wins.
     dtype: the activations'; cc: the device's compute capability (wgmma needs sm_90, FP8 sm_89);
     n, k: the weight's shape; tma_ready: whether the TMA kernels can take these activations
-    (wgmma_ws.supports); sms: the device's SM count (decode_ws's tiling). options["rms_norm"] set (to anything
-    but None) says the call carries a norm, which can tip the choice to decode_ws (ring_wins)."""
+    (wgmma_ws.supports); sms: the device's SM count (decode_ws's tiling)."""
     forced = options.get("kernel") or os.environ.get("MICROSCALE_SM90_KERNEL") or None
     wgmma_ready = dtype == torch.bfloat16 and cc[0] == 9
     if forced == "decode_ws" and m > decode_ws.MAX_M:
@@ -110,8 +107,7 @@ def choose_kernel(fmt: str, m: int, options: dict, dtype=torch.bfloat16, cc=(9, 
         kernel = forced
     elif options.get("fp8_activations") and fmt in FP8_FORMATS and m >= FP8_MIN_M:
         kernel = "fp8"
-    elif wgmma_ready and tma_ready and decode_ws.ring_wins(FMT_CODE[fmt], m, n, k, sms,
-                                                           norm=options.get("rms_norm") is not None):
+    elif wgmma_ready and tma_ready and decode_ws.ring_wins(FMT_CODE[fmt], m, n, k, sms):
         kernel = "decode_ws"
     elif m <= DECODE_MAX_M and not (wgmma_ready and paths.wgmma_beats_decode(FMT_CODE[fmt], m, n, k)):
         kernel = "decode"
@@ -140,14 +136,11 @@ def _kernel_fusions(kernel: str, m: int) -> frozenset:
 
 
 def fusions(fmt: str, m: int, n: int, k: int, device, options: dict = None) -> frozenset:
-    """Which of rmsnorm.FUSIONS the kernel for bf16 x [m, k] (contiguous) and an [n, k] weight applies itself: the
-    norm where the kernel of a call carrying it takes it, the residual where the kernel of any call does (a norm
-    can change the choice, the residual does not)."""
+    """Which of rmsnorm.FUSIONS the kernel for bf16 x [m, k] (contiguous) and an [n, k] weight applies itself."""
     tma_ready = (k * 2) % 16 == 0 and wgmma_ws.have_cuda_python()
-    name, device, options = get_format(fmt).name, torch.device(device), {**(options or {}), "rms_norm": None}
-    plain = _device_kernel(name, m, n, k, options, torch.bfloat16, device, tma_ready)
-    normed = _device_kernel(name, m, n, k, {**options, "rms_norm": NORM_QUERY}, torch.bfloat16, device, tma_ready)
-    return (_kernel_fusions(plain, m) & {"residual"}) | (_kernel_fusions(normed, m) & {"rms_norm"})
+    kernel = _device_kernel(get_format(fmt).name, m, n, k, options or {}, torch.bfloat16, torch.device(device),
+                            tma_ready)
+    return _kernel_fusions(kernel, m)
 
 
 def gemm(x2d, data, scale, row_mult, bias, *, fmt, n, k, options):

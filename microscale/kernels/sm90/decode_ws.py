@@ -209,9 +209,10 @@ def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
     return MIN_FILL * sms <= ctas <= sms
 
 
-def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool = False) -> bool:
+def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
     """Whether the dispatch gives M <= 16 to this kernel (ring_config's tiling) rather than the Triton decode kernel:
-    in every format wherever the tiling fills the SMs (fills). norm: the call carries an RMSNorm (ring_config's).
+    in every format wherever the tiling fills the SMs (fills), with or without the norm (which changes ring_config's
+    stages, not its CTAs).
     - FP4 (session 28, bench/results/sweep_h200.json run 28d, the two kernels interleaved, plain and programmatic
       launches): with the split-K partials sent by st.async, decode_ws is faster at M = 1-16 on 8192x8192,
       8192x28672, 6144x4096, 28672x4096 and 28672x8192, NVFP4 and MXFP4 (M = 1: 1-6% plain, 6-23% programmatic;
@@ -226,7 +227,7 @@ def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132, norm: bool 
       8192x53248 1.5-2.0% / 3.9-5.3%; 8192x28672 1.0% slower to 0.4% faster plain, 4.3-4.9% faster programmatic
       (decode steps run programmatic launches).
     Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
-    return m <= MAX_M and fills(ring_config(m, n, k, fmt_code, sms, norm), n, k, sms)
+    return m <= MAX_M and fills(ring_config(m, n, k, fmt_code, sms), n, k, sms)
 
 
 def fusions(m: int) -> frozenset:
