@@ -295,13 +295,13 @@ def test_decode_ws_kernel_norm_and_residual(fmt, m, n, k, seed):
 @pytest.mark.parametrize("fmt,m,n,k,fused", [("nvfp4", 1, 4096, 4096, ("rms_norm", "residual")),
                                              ("nvfp4", 4, 4096, 4096, ("rms_norm", "residual")),
                                              ("nvfp4", 16, 4096, 4096, ("residual",)), ("nvfp4", 32, 512, 1024, ()),
-                                             ("mxfp8", 1, 28672, 4096, ("rms_norm",))])
+                                             ("mxfp8", 1, 28672, 4096, ("rms_norm", "residual"))])
 def test_linear_glue_through_the_dispatch(fmt, m, n, k, fused, seed):
-    """QuantizedLinear.forward with an RMSNorm module and a residual, where fusions(m) says the kernel takes both,
-    only the residual (M = 16: the norm as torch ops in front of decode_ws), neither (M = 32), or only the norm
-    (MXFP8 28672x4096: decode_ws for a call with a norm, the Triton kernel, residual after it, for one without):
-    against float64 of residual + W norm(h), which each path rounds differently (the fused kernel bf16(w h) into
-    the MMA and rstd after it, the torch ops rstd h and w times it each to bf16)."""
+    """QuantizedLinear.forward with an RMSNorm module and a residual, where fusions(m) says the kernel takes both
+    (MXFP8 28672x4096 too, a split-1 tiling), only the residual (M = 16: the norm as torch ops in front of
+    decode_ws) or neither (M = 32): against float64 of residual + W norm(h), which each path rounds differently
+    (the fused kernel bf16(w h) into the MMA and rstd after it, the torch ops rstd h and w times it each to
+    bf16)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from microscale import FP4Linear, FP8Linear
     from microscale.kernels import rmsnorm
