@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 bench/stream_probe.py --probe ring --out bench/results/stream_ring_h200.json
     PYTHONPATH=. python3 bench/stream_probe.py --probe ws-waits|ws-timeline|ws-fill --out ...
     PYTHONPATH=. python3 bench/stream_probe.py --probe ws-promotion --out ...
+    PYTHONPATH=. python3 bench/stream_probe.py --probe queue --out bench/results/stream_queue_h200.json
 
 1. (--probe read, the default) Read-only kernels over the bytes of an NVFP4 weight's words (no scales, no decode, no MMA) in
    the decode kernel's access pattern: a program of 4 warps over 4 row groups (64 rows) and one K
@@ -41,6 +42,10 @@
    64B and none. A row group's K step is 576 bytes (NVFP4), so the words' 256-byte box rows and the scales' 64-byte
    ones start off the 256-byte grid; at 256B the stream was about 3 us slower than the read-only ring of probe 3 (1-D
    bulk copies, no promotion) over the same bytes, at 128B it is as fast (ws_probes_h200.json run 42a).
+9. (--probe queue) Read-only rings over an NVFP4 weight's bytes shared out differently: 128 CTAs of whole stages
+   (decode_ws's count), 130 or 132 CTAs of equal byte shares, chunks claimed from a global counter (so that CTAs whose
+   bytes come sooner take more), two CTAs per SM. Asks whether the 4 SMs decode_ws leaves idle, or balancing the
+   CTAs as they run, would shorten the stream.
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
 
@@ -213,6 +218,93 @@ def ring_read(n, k, groups, split, steps, order):
     us = gemm._time_graph(call, copies)
     return {"op": "ring read", "N": n, "K": k, "groups": groups, "split": split, "steps": steps, "stages": stages,
             "order": order, "ctas": tiles * split, "us": us, "tbps": total / us / 1e6}
+
+
+QUEUE_SOURCE = r"""
+namespace ms90 {
+__device__ __forceinline__ void queue_copy(u32 dst, const char* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// The bytes [0, total) as chunks of at most `chunk` bytes through a ring of STAGES stages. dynamic 0: CTA c reads
+// the bytes [total c / P, total (c + 1) / P) of the P CTAs (256-byte aligned). dynamic 1: the CTAs claim chunk after
+// chunk from counter[0] (the next claim in flight while a chunk is issued); the last CTA done (counter[1]) resets
+// both for the next call.
+template <int STAGES>
+__global__ void __launch_bounds__(64) ring_queue(const char* src, long total, int chunk, int dynamic, int* counter) {
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ volatile int stop;
+  const u32 smem = (shared_address(smem_raw) + 1023u) & ~1023u;
+  const u32 full = smem + STAGES * chunk, empty = full + 8 * STAGES;
+  if (threadIdx.x == 0) stop = 0;
+  init_ring_barriers(full, empty, STAGES, 1);
+  const long P = gridDim.x, c = blockIdx.x;
+  const long n_chunks = (total + chunk - 1) / chunk;
+  if (threadIdx.x == 0) {
+    long lo = total * c / P / 256 * 256;
+    const long hi = c + 1 == P ? total : total * (c + 1) / P / 256 * 256;
+    long g = dynamic ? atomicAdd(counter, 1) : 0;
+    for (int i = 0;; ++i) {
+      const bool more = dynamic ? g < n_chunks : lo < hi;
+      long next = 0;
+      if (dynamic && more) next = atomicAdd(counter, 1);
+      const int stage = i % STAGES;
+      if (i >= STAGES) mbar_wait(empty + 8 * stage, ((i / STAGES) & 1) ^ 1);
+      const u32 f = full + 8 * stage;
+      if (!more) {
+        stop = 1;
+        mbar_arrive(f);
+        break;
+      }
+      const long at = dynamic ? g * chunk : lo;
+      const u32 bytes = (u32)min((long)chunk, (dynamic ? total : hi) - at);
+      mbar_arrive_expect_tx(f, bytes);
+      queue_copy(smem + stage * chunk, src + at, bytes, f);
+      g = next;
+      lo += chunk;
+    }
+    if (dynamic && atomicAdd(counter + 1, 1) == P - 1) {
+      atomicExch(counter, 0);
+      atomicExch(counter + 1, 0);
+    }
+  } else if (threadIdx.x == 32) {
+    for (int i = 0;; ++i) {
+      mbar_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);
+      if (stop) break;
+      mbar_arrive(empty + 8 * (i % STAGES));
+    }
+  }
+}
+}  // namespace ms90
+"""
+
+
+def ring_queue(n, k, ctas, chunk, dynamic, stages=4):
+    """Probe 9: the NVFP4 weight's bytes (words and scales, as the prepared layout holds them) through read-only rings
+    of `stages` chunks, by `ctas` CTAs: each a contiguous share of the bytes, or (dynamic) chunks claimed from a
+    global counter, so that CTAs whose bytes come sooner take more of them."""
+    from microscale.kernels import nvrtc
+    from microscale.kernels.sm90 import wgmma_ws
+    total = n // 16 * (k // 64) * 576
+    copies = gemm._copies(lambda: torch.randint(0, 255, (total,), dtype=torch.uint8, device="cuda"), total)
+    counter = torch.zeros(2, dtype=torch.int32, device="cuda")
+    name = f"ms90::ring_queue<{stages}>"
+    kernel = nvrtc.load_kernel(nvrtc.compile_kernels((name,), source=wgmma_ws.source() + QUEUE_SOURCE,
+                                                     label="ring_queue", arch="sm_90a"), name, 0)
+    smem = stages * chunk + 1024 + 16 * stages
+    if ctas <= 132:  # one CTA per SM, as decode_ws
+        smem = max(smem, 116 * 1024)
+
+    def call(buf):
+        nvrtc.launch(kernel, clusters=ctas, cluster=1, block=64, smem_bytes=smem, device_index=0,
+                     stream_handle=torch.cuda.current_stream().cuda_stream,
+                     args=(buf.data_ptr(), np.int64(total), np.int32(chunk), np.int32(dynamic), counter.data_ptr()))
+    us = gemm._time_graph(call, copies)
+    torch.cuda.synchronize()
+    assert counter.sum().item() == 0, "the queue's counters were not reset"
+    return {"op": "ring queue", "N": n, "K": k, "ctas": ctas, "chunk": chunk, "stages": stages,
+            "dynamic": bool(dynamic), "us": us, "tbps": total / us / 1e6}
 
 
 def peers(n, k):
@@ -535,6 +627,17 @@ def ring_probes():
                     yield dict(ring_read(n, k, groups, split, steps, order), round=rnd)
 
 
+def queue_probes():
+    for n, k, groups, split in ((8192, 8192, 8, 2), (28672, 8192, 14, 1), (8192, 28672, 8, 2)):
+        yield peers(n, k)
+        for rnd in range(2):
+            yield dict(ring_read(n, k, groups, split, 4, "contiguous"), round=rnd)
+            stage = groups * 4 * 576
+            for ctas, chunk, dynamic in ((128, stage, 0), (130, stage, 0), (132, stage, 0), (132, stage, 1), (132, stage // 2, 1),
+                                         (132, stage // 4, 1), (264, stage // 2, 0), (264, stage // 2, 1)):
+                yield dict(ring_queue(n, k, ctas, chunk, dynamic, stages=4 if chunk >= stage else 8), round=rnd)
+
+
 def ws_waits_probes():
     for fmt, m, n, k in (("nvfp4", 1, 28672, 8192), ("nvfp4", 1, 8192, 28672), ("nvfp4", 1, 8192, 8192),
                          ("mxfp4", 1, 28672, 8192), ("nvfp4", 16, 28672, 8192), ("nvfp4", 1, 28672, 4096),
@@ -549,7 +652,7 @@ def ws_bounds_probes():
         yield ws_bounds(fmt, m, n, k)
 
 
-PROBES = {"read": read_probes, "ring": ring_probes, "ws-bounds": ws_bounds_probes, "ws-waits": ws_waits_probes,
+PROBES = {"read": read_probes, "ring": ring_probes, "queue": queue_probes, "ws-bounds": ws_bounds_probes, "ws-waits": ws_waits_probes,
           "ws-timeline": ws_timeline_probes, "ws-fill": ws_fill_probes, "ws-promotion": ws_promotion_probes}
 
 

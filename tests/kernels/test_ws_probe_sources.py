@@ -117,3 +117,23 @@ def test_weight_map_promotion_changes_the_maps_not_the_output(probe, seed):
     for promotion in nvrtc.L2_PROMOTIONS:
         with probe._weight_map_promotion(promotion):
             assert torch.equal(call(copies[0]), y), promotion
+
+
+def test_queue_kernel_builds_with_bulk_copies_and_claims(probe):
+    """Probe 9's read-only ring: the 1-D bulk copies, and the atomics of the dynamic claims and the counters' reset."""
+    from microscale.kernels.sm90 import wgmma_ws
+    name = "ms90::ring_queue<4>"
+    compiled = nvrtc.compile_kernels((name,), source=wgmma_ws.source() + probe.QUEUE_SOURCE, label="ring_queue",
+                                     arch="sm_90a")
+    ops = nvrtc.sass_opcodes(nvrtc.disassemble(compiled.cubin)[compiled.symbols[name]])
+    assert any(op.startswith("UBLKCP") for op in ops), sorted(set(ops))
+    assert sum(op.startswith(("ATOM", "ATOMG", "RED")) for op in ops) >= 4  # two claims, done, two resets
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas, dynamic", [(128, 0), (132, 0), (132, 1)])
+def test_queue_rings_end_and_reset_their_counters(probe, ctas, dynamic):
+    """Both shares of a weight whose bytes are not a whole number of chunks end (the graph timing returns) and leave the
+    claim counters at zero for the next call (ring_queue asserts it)."""
+    rec = probe.ring_queue(1024, 2048, ctas, 7 * 576 * 4, dynamic)
+    assert rec["us"] > 0 and rec["dynamic"] == bool(dynamic)
