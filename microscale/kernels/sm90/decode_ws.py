@@ -28,9 +28,9 @@ MIN_FILL = 0.85  # ring_wins: ring_config's tiling must give at least this fract
 MAX_WARPS = 32  # 1024 threads per CTA
 MAX_STAGE_BYTES = 48 * 1024
 # Up to M = 8 (block_m 8), on calls without the norm, smaller stages: the consumers, about as fast as the stream,
-# start on the first stage sooner and free the ring in finer parts (ring_config's docstring has the measurements)
+# start on the first stage sooner and free the ring in finer parts (docs/hopper.md: ring_config's rules)
 MAX_STAGE_BYTES_M8 = 32 * 1024
-MAX_STAGES = 5  # rings of 2-step stages: 5 stages beat 6-8 (ring_config)
+MAX_STAGES = 5  # rings of 2-step stages: 5 stages beat 6-8 (docs/hopper.md: ring_config's rules)
 # A ring of 4-step stages of LEAD_STAGE_BYTES or more (at M = 9-16, or up to M = 8 on FEW_GROUPS or more row groups
 # or on a CTA taking whole rows of at most LONG_K), and a call carrying the norm, keeps FIRST_FILL_LEAD stages of its
 # first fill in flight instead of issuing the whole ring at once; up to M = 8 a ring of 2-step stages of
@@ -98,77 +98,26 @@ class RingConfig:
 
 @lru_cache(maxsize=None)
 def ring_config(m: int, n: int, k: int, fmt_code: int, sms: int = 132, norm: bool = False) -> RingConfig:
-    """One CTA per SM: of 4-16 row groups per CTA and a split of 1 or 2, the tiling whose tiles x split come
-    closest to the SM count from below; on a tie the groups nearest 8 for FP4 and 4 for MXFP8 (twice the bytes
-    per row). Weights of more than 16 row groups per SM take 16 and several waves of CTAs. 4 K steps per stage
-    (2 when K has an odd number of pairs or 4 would pass MAX_STAGE_BYTES; MAX_STAGE_BYTES_M8 up to M = 8 but for a
-    call carrying the norm), as many stages as IN_FLIGHT_BYTES hold, 2 to MAX_STAGES and at most MAX_RING_STEPS K
-    steps in all.
-    The choices the H200 sweeps of session 18 found fastest (bench/results/sweep_h200.json, runs 18c-18e):
-    28672x8192 and 28672x4096 14 groups, split 1; 8192x8192 and 8192x28672 8 groups, split 2 (MXFP8: 4,
-    split 1); 6144x4096 6, split 2; 4096x4096 4, split 2.
-    Consumer warps (k_warps warps per row group, each taking every k_warps-th K step of a stage, their partials
-    summed through shared memory in warp order; groups_per_warp row groups per warp, sharing x's registers):
-    - Two warps per row group where the CTA holds fewer than FEW_GROUPS row groups, at any M: one warp per
-      scheduler leaves its decode's latency exposed. Session 34 (sweep_h200.json runs 34b/34c: ab_alt, the tilings
-      interleaved in one process, 3 rounds), M = 16 against one warp: NVFP4 4096x14336 15.2 -> 13.6 us, 6144x4096
-      8.93 -> 8.17, 4096x4096 7.03 -> 6.64, MXFP4 4096x14336 14.1 -> 13.8, 6144x4096 9.15 -> 8.31, MXFP8 0.5-1.0%
-      faster; M = 1-8: four warps 2.5-8.5% slower, one 4.7-10% slower.
-    - Up to M = 8 two warps per row group on larger CTAs too, but for FP4 on rows of LONG_K or more, where one is
-      0.6-2.1% faster (run 34g/34h: NVFP4 M = 1 8192x8192 13.38 -> 13.16 us, 8192x28672 36.35 -> 36.05, 28672x8192
-      36.89 -> 36.68, M = 8 13.54 -> 13.26, 35.62 -> 35.42, 36.99 -> 36.57; MXFP4 M = 1 8192x8192 -1.2%). Session 23
-      had found two warps faster there (runs 23e/23f, NVFP4 M = 1 28672x8192 39.6 -> 36.9 us) before the consumers'
-      addresses went opaque and the words and scales side by side (session 27); at K = 4096 (28672x4096, the Llama
-      gate/up) two warps stay.
-    - At M = 9-16 on rows of LONG_K or more, where the CTA's FEW_GROUPS or more row groups pair up, each warp takes
-      two row groups and every other K step (groups_per_warp 2, k_warps 2): the same warps, half the x loads from
-      shared memory, which at 16 rows take 4 times the words' bytes (session 33, run 33b: M = 16 NVFP4 8192x28672
-      41.2 -> 39.0 us, 8192x8192 15.4 -> 15.0, MXFP4 8192x28672 39.8 -> 37.8; at K = 4096 2-4% slower). From
-      QUAD_GROUPS row groups four warps per pair (k_warps 4) where a stage's steps allow (run 34b: 28672x8192 NVFP4
-      39.0 -> 37.8 us, MXFP4 38.8 -> 37.3; on 8-group tilings 2.5-3.8% slower).
-    - Otherwise one warp per row group (M = 9-16: 28672x4096's 14 groups level either way, run 34b).
-    Stages up to M = 8 (session 36, sweep_h200.json runs 36a-36c: bench/ring_ab.py's method, one process, 3 rounds
-    interleaved): on the 14-group tilings 2 K steps x 5 stages instead of 4 x 3 (36 KB stages), NVFP4 M = 1 28672x8192
-    -4.7 to -6.0%, M = 8 -5.2%, 28672x4096 -2.5% (M = 8 -3.1%), 27648x5120 -1.8%, MXFP4 28672x8192 -1.7 to -2.4%,
-    28672x4096 +0.7 to +1.1%; 6 or 7 stages of 2 steps less (MXFP4 +0.2 to +5.3%). Stages of 30 KB and less gain nothing
-    so (NVFP4 10240x8192 level, 18944x3584 +1.7%, 8192x8192 +5.9% at 2 x 4), nor deeper rings of 4-step stages
-    (8192x8192 5 stages +3.9%, 8192x28672 +3.4%). MXFP8's 7- and 9-group tilings (34 and 42 KB stages) take 2 x 5 too:
-    M = 1 14336x4096 -3.2% (M = 8 -1.5%), 18944x3584 -2.5% (run 36d). On rings of 2-step stages 5 stages beat more:
-    NVFP4 8192x4160 (odd pairs of K steps) 5 against 8 stages, M = 1 and 16 -6.5% (36d). At M = 16 the 14-group tilings'
-    four warps per pair need 4 K steps per stage (2 steps with two warps per pair: 8-11% slower; with one warp per group
-    2-step stages were 2-3% faster alone, run 36g, not taken). A call carrying the norm keeps 4-step stages: its first
-    fill runs 2 stages ahead (decode_ws.cuh), and with 2-step stages on gate/up (28672x4096) the Llama-8B NVFP4 batch-1
-    step (bench/e2e.py way (e), 200 replays, a process per tree, two rounds, run 36d) took 1.774 / 1.775 ms instead of
-    1.723 / 1.722 (session 27's run 27k had seen the same with the whole ring issued at once).
-    The first fill (lead) and the accumulators (chains), session 37 (sweep_h200.json runs 37a-37c: bench/ring_ab.py,
-    one process, 3 rounds interleaved, plain and programmatic launches):
-    - A ring of 4-step stages of LEAD_STAGE_BYTES or more keeps FIRST_FILL_LEAD stages of its first fill in flight
-      (a call carrying the norm always does), the memory landing the first stage sooner than in a whole ring: NVFP4
-      8192x8192 M = 1 -2.2 to -3.0%, M = 8 -2.5 to -3.3%, M = 16 -3.9 to -5.2%, 8192x28672 M = 1 -1.0 to -1.3%; MXFP4
-      8192x8192 M = 1 -4.2 to -4.6%, M = 16 -5.9%, 8192x28672 -1.1 to -1.6%, 28672x8192 M = 16 -3.7%; NVFP4
-      28672x4096 M = 16 -4.2%, 6144x4096 M = 16 -3.5% (MXFP4 -3.7%, MXFP8 -6.4%); MXFP8 4096x4096 and 4096x14336
-      M = 16 -2.2 to -5.3%. Up to M = 8 only on FEW_GROUPS or more row groups, or where a CTA of fewer takes whole
-      rows (split 1) of at most LONG_K (session 38, runs 38a-38d): NVFP4 14336x4096 -3.2 to -4.1% plain / -1.6 to
-      -3.0% programmatic; MXFP8 8192x8192 -0.7 to -3.2% / -1.3 to +0.1%, 8192x4096 -2.7 to -3.2% / -0.9 to -1.5%,
-      12288x4096 -0.7 to -1.5% / -0.5 to +0.2%, 10240x8192 -0.7 to -1.4% / +0.3 to +1.3%. Split-2 4-group tilings
-      gain plain (MXFP8 4096x4096 M = 1 -2.5 to -5.5%) but lose under programmatic launches, the decode step's
-      (4096x4096 and 4096x14336 M = 1 +0.6 to +1.3%), and so do rows of 28672 (MXFP8 8192x28672 +0.1 to +0.8% /
-      +0.4 to +1.0%). Smaller stages lose by it (NVFP4 4096x4096 M = 1 +0.7%, programmatic +2.1%; M = 16 +1.1%),
-      2-step stages gain nothing by 2 (28672x8192 M = 1 -0.1 to +0.5%, MXFP8 M = 16 +1.7%); 1 stage ahead loses
-      everywhere (+0.8 to +7.3%), 3 is level with 2.
-    - Up to M = 8 a ring of 2-step stages of SHORT_LEAD_STAGE_BYTES or more on FEW_GROUPS or more row groups (the
-      14-group tilings' 4-5 stages of 18-31 KB) keeps SHORT_STAGE_LEAD stages in flight (session 38, runs 37b, 38a,
-      38b; plain / programmatic): NVFP4 28672x8192 M = 1 -0.4 to -0.6% / -0.1 to +0.5%, M = 4-8 -1.2 to -1.5% /
-      -0.5 to +0.9%; MXFP4 28672x8192 M = 1 -2.0 to -2.2% / -0.6 to -1.0%, M = 4-8 -1.7 to -2.0% / -1.0 to -1.3%;
-      28672x4096 NVFP4 M = 1 and 8 -1.7 to -1.8% / -0.6 to -0.7%, MXFP4 M = 1 -2.2% / -1.3%; MXFP8 28672x8192
-      M = 1-4 -0.5 to -1.1% / -0.9 to -1.9%, M = 8 level. Not with the norm: the Llama-8B batch-1 step's q/k/v and
-      gate/up (4-step stages) with 3 ahead instead of 2 took 1.767 / 1.766 ms against 1.737 / 1.736 (way (e), 200
-      replays, two rounds, run 38a).
-    - At M = 9-16 on pairs of row groups with two warps each, 2 accumulators per row group: a K step's 4 MMAs form two
-      dependent chains instead of one. NVFP4 8192x8192 M = 16 -2.7 to -4.3% (with the lead -6.7% against neither),
-      8192x28672 -3.1 to -4.8% (-5.9%), MXFP4 -2.0 to -2.2%. Not elsewhere: four warps per pair, held to 64 registers a
-      thread by their 29 warps, lose (NVFP4 28672x8192 M = 16 +20%), one row group per warp at M = 16 up to 4.2%;
-      M = 1-8 gains nothing (-1.1 to +1.4% on 8 and 14 groups, 28672x4096 with two warps per group +7.4%)."""
+    """decode_ws's tiling, consumer warps and ring for M rows of an [n, k] weight. Each rule is the fastest of the
+    H200 measurements that docs/hopper.md ("ring_config's rules and the runs behind them") lists.
+    - Tiling: one CTA per SM. Of 4-16 row groups per CTA and a split of 1 or 2 (a cluster), the tiling whose CTAs
+      come closest to the SM count from below; on a tie the groups nearest 8 for FP4 and 4 for MXFP8 (twice the
+      bytes per row). Weights of more than 16 row groups per SM take 16 and several waves.
+    - Consumer warps: k_warps per row group, each taking every k_warps-th K step of a stage (partials summed through
+      shared memory in warp order); groups_per_warp row groups per warp, sharing x's registers. Two warps per row
+      group on CTAs of fewer than FEW_GROUPS row groups (one warp per scheduler leaves the decode's latency exposed),
+      and up to M = 8 on larger CTAs too, except FP4 on rows of LONG_K or more (one). At M = 9-16 on rows of LONG_K
+      or more, where a CTA's FEW_GROUPS or more row groups pair up, a warp takes two row groups and every other K
+      step (half the x loads from shared memory): two warps per pair, each row group's MMAs alternating over two
+      accumulators (chains), or four from QUAD_GROUPS where the threads fit. Otherwise one warp per row group.
+    - Stages: 4 K steps, 2 when K has an odd number of step pairs or a stage would pass MAX_STAGE_BYTES
+      (MAX_STAGE_BYTES_M8 up to M = 8 on a call without the norm); as many as IN_FLIGHT_BYTES hold, 2 to MAX_STAGES,
+      at most MAX_RING_STEPS K steps in all.
+    - First fill: FIRST_FILL_LEAD stages in flight before the first lands (the memory lands the first stage sooner
+      than in a whole ring) on a call carrying the norm, and on 4-step stages of LEAD_STAGE_BYTES or more at M = 9-16,
+      or up to M = 8 on FEW_GROUPS or more row groups or on a CTA taking whole rows of at most LONG_K; up to M = 8
+      SHORT_STAGE_LEAD on 2-step stages of SHORT_LEAD_STAGE_BYTES or more on FEW_GROUPS or more row groups;
+      otherwise the whole ring at once."""
     groups_total = padded_shape(n, k)[0] // ROW_GROUP
     kt = padded_shape(n, k)[1] // K_STEP
     prefer = 4 if fmt_code == 2 else 8
@@ -211,22 +160,10 @@ def fills(cfg: RingConfig, n: int, k: int, sms: int) -> bool:
 
 def ring_wins(fmt_code: int, m: int, n: int, k: int, sms: int = 132) -> bool:
     """Whether the dispatch gives M <= 16 to this kernel (ring_config's tiling) rather than the Triton decode kernel:
-    in every format wherever the tiling fills the SMs (fills), with or without the norm (which changes ring_config's
-    stages, not its CTAs).
-    - FP4 (session 28, bench/results/sweep_h200.json run 28d, the two kernels interleaved, plain and programmatic
-      launches): with the split-K partials sent by st.async, decode_ws is faster at M = 1-16 on 8192x8192,
-      8192x28672, 6144x4096, 28672x4096 and 28672x8192, NVFP4 and MXFP4 (M = 1: 1-6% plain, 6-23% programmatic;
-      M = 8: 7-16% plain, 10-31% programmatic); on 4096x14336 programmatic 1-21% faster, plain level to 2.5% slower
-      at M = 1-2 and level at M = 16.
-    - MXFP8 from M = 8 since session 18 (run 18f: 4096x4096 M = 8 10.1 -> 8.8 us) and at M = 1-4 on the split-2
-      tilings since session 29 (runs 29c/29d). On the split-1 tilings the Triton kernel stayed level to 11% faster at
-      M = 1-4 until decode_ws's weight maps went to 128-byte L2 promotion (session 42). Session 43 (run 43b,
-      bench/ring_ab.py --triton, one process, 2 rounds) at M = 1, 2 and 4, decode_ws against the Triton kernel, plain /
-      programmatic: 28672x8192 0.7-3.7% / 5.6-7.0% faster, 28672x4096 0.6-5.0% / 8.9-11.9%, 14336x4096 1.9-7.5% /
-      11-14%, 18944x3584 3.2-7.5% / 14-19%, 27648x5120 0.1-1.9% / 7.6-9.0%, 16384x16384 0.5-1.6% / 6.7-7.0%,
-      8192x53248 1.5-2.0% / 3.9-5.3%; 8192x28672 1.0% slower to 0.4% faster plain, 4.3-4.9% faster programmatic
-      (decode steps run programmatic launches).
-    Never when the tiling leaves more than 15% of the SMs without a CTA or takes more than one wave."""
+    in every format wherever the tiling gives at least MIN_FILL of the SMs a CTA in one wave (fills), with or without
+    the norm (which changes ring_config's stages, not its CTAs). There decode_ws measured faster than the Triton
+    kernel with plain and programmatic launches, or level plain and faster programmatic (FP4: session 28; MXFP8:
+    sessions 18, 29 and 43); docs/dispatch.md gives the runs."""
     return m <= MAX_M and fills(ring_config(m, n, k, fmt_code, sms), n, k, sms)
 
 
