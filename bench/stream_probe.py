@@ -222,11 +222,6 @@ def ring_read(n, k, groups, split, steps, order):
 
 QUEUE_SOURCE = r"""
 namespace ms90 {
-__device__ __forceinline__ void queue_copy(u32 dst, const char* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 // The bytes [0, total) as chunks of at most `chunk` bytes through a ring of STAGES stages. dynamic 0: CTA c reads
 // the bytes [total c / P, total (c + 1) / P) of the P CTAs (256-byte aligned). dynamic 1: the CTAs claim chunk after
 // chunk from counter[0] (the next claim in flight while a chunk is issued); the last CTA done (counter[1]) resets
@@ -260,7 +255,7 @@ __global__ void __launch_bounds__(64) ring_queue(const char* src, long total, in
       const long at = dynamic ? g * chunk : lo;
       const u32 bytes = (u32)min((long)chunk, (dynamic ? total : hi) - at);
       mbar_arrive_expect_tx(f, bytes);
-      queue_copy(smem + stage * chunk, src + at, bytes, f);
+      bulk_copy(smem + stage * chunk, src + at, bytes, f);
       g = next;
       lo += chunk;
     }
@@ -280,18 +275,23 @@ __global__ void __launch_bounds__(64) ring_queue(const char* src, long total, in
 """
 
 
+def queue_source() -> str:
+    """ring_queue's source: after RING_SOURCE, whose bulk_copy it takes."""
+    from microscale.kernels.sm90 import wgmma_ws
+    return wgmma_ws.source() + RING_SOURCE + QUEUE_SOURCE
+
+
 def ring_queue(n, k, ctas, chunk, dynamic, stages=4):
     """Probe 9: the NVFP4 weight's bytes (words and scales, as the prepared layout holds them) through read-only rings
     of `stages` chunks, by `ctas` CTAs: each a contiguous share of the bytes, or (dynamic) chunks claimed from a
     global counter, so that CTAs whose bytes come sooner take more of them."""
     from microscale.kernels import nvrtc
-    from microscale.kernels.sm90 import wgmma_ws
     total = n // 16 * (k // 64) * 576
     copies = gemm._copies(lambda: torch.randint(0, 255, (total,), dtype=torch.uint8, device="cuda"), total)
     counter = torch.zeros(2, dtype=torch.int32, device="cuda")
     name = f"ms90::ring_queue<{stages}>"
-    kernel = nvrtc.load_kernel(nvrtc.compile_kernels((name,), source=wgmma_ws.source() + QUEUE_SOURCE,
-                                                     label="ring_queue", arch="sm_90a"), name, 0)
+    kernel = nvrtc.load_kernel(nvrtc.compile_kernels((name,), source=queue_source(), label="ring_queue", arch="sm_90a"),
+                               name, 0)
     smem = stages * chunk + 1024 + 16 * stages
     if ctas <= 132:  # one CTA per SM, as decode_ws
         smem = max(smem, 116 * 1024)

@@ -121,10 +121,8 @@ def test_weight_map_promotion_changes_the_maps_not_the_output(probe, seed):
 
 def test_queue_kernel_builds_with_bulk_copies_and_claims(probe):
     """Probe 9's read-only ring: the 1-D bulk copies, and the atomics of the dynamic claims and the counters' reset."""
-    from microscale.kernels.sm90 import wgmma_ws
     name = "ms90::ring_queue<4>"
-    compiled = nvrtc.compile_kernels((name,), source=wgmma_ws.source() + probe.QUEUE_SOURCE, label="ring_queue",
-                                     arch="sm_90a")
+    compiled = nvrtc.compile_kernels((name,), source=probe.queue_source(), label="ring_queue", arch="sm_90a")
     ops = nvrtc.sass_opcodes(nvrtc.disassemble(compiled.cubin)[compiled.symbols[name]])
     assert any(op.startswith("UBLKCP") for op in ops), sorted(set(ops))
     assert sum(op.startswith(("ATOM", "ATOMG", "RED")) for op in ops) >= 4  # two claims, done, two resets
