@@ -44,7 +44,8 @@
    bulk copies, no promotion) over the same bytes, at 128B it is as fast (ws_probes_h200.json run 42a).
 9. (--probe queue) Read-only rings over an NVFP4 weight's bytes shared out differently: 128 CTAs of whole stages
    (decode_ws's count), 130 or 132 CTAs of equal byte shares, chunks claimed from a global counter (so that CTAs whose
-   bytes come sooner take more), two CTAs per SM. Asks whether the 4 SMs decode_ws leaves idle, or balancing the
+   bytes come sooner take more), two CTAs per SM, a CTA per chunk (many more than the SMs hold at once, balanced by
+   the block scheduler as cuBLAS's small CTAs are). Asks whether the 4 SMs decode_ws leaves idle, or balancing the
    CTAs as they run, would shorten the stream.
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
@@ -633,9 +634,13 @@ def queue_probes():
         for rnd in range(2):
             yield dict(ring_read(n, k, groups, split, 4, "contiguous"), round=rnd)
             stage = groups * 4 * 576
-            for ctas, chunk, dynamic in ((128, stage, 0), (130, stage, 0), (132, stage, 0), (132, stage, 1), (132, stage // 2, 1),
-                                         (132, stage // 4, 1), (264, stage // 2, 0), (264, stage // 2, 1)):
+            for ctas, chunk, dynamic in ((128, stage, 0), (130, stage, 0), (132, stage, 0), (132, stage, 1),
+                                         (132, stage // 2, 1), (132, stage // 4, 1), (264, stage // 2, 0),
+                                         (264, stage // 2, 1)):
                 yield dict(ring_queue(n, k, ctas, chunk, dynamic, stages=4 if chunk >= stage else 8), round=rnd)
+            total = n // 16 * (k // 64) * 576
+            for chunk in (9216, 18432, 36864, 73728):  # a CTA per chunk, more than the SMs hold: the block scheduler
+                yield dict(ring_queue(n, k, total // chunk, chunk, 0, stages=1), round=rnd)  # balances them
 
 
 def ws_waits_probes():
@@ -652,8 +657,9 @@ def ws_bounds_probes():
         yield ws_bounds(fmt, m, n, k)
 
 
-PROBES = {"read": read_probes, "ring": ring_probes, "queue": queue_probes, "ws-bounds": ws_bounds_probes, "ws-waits": ws_waits_probes,
-          "ws-timeline": ws_timeline_probes, "ws-fill": ws_fill_probes, "ws-promotion": ws_promotion_probes}
+PROBES = {"read": read_probes, "ring": ring_probes, "queue": queue_probes, "ws-bounds": ws_bounds_probes,
+          "ws-waits": ws_waits_probes, "ws-timeline": ws_timeline_probes, "ws-fill": ws_fill_probes,
+          "ws-promotion": ws_promotion_probes}
 
 
 def main():
