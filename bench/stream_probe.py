@@ -282,19 +282,24 @@ def queue_source() -> str:
     return wgmma_ws.source() + RING_SOURCE + QUEUE_SOURCE
 
 
+def _nvfp4_bytes(n, k):
+    """Words and scales of an NVFP4 weight [n, k] in the prepared layout: 576 bytes per row group and K step."""
+    return n // 16 * (k // 64) * 576
+
+
 def ring_queue(n, k, ctas, chunk, dynamic, stages=4):
     """Probe 9: the NVFP4 weight's bytes (words and scales, as the prepared layout holds them) through read-only rings
     of `stages` chunks, by `ctas` CTAs: each a contiguous share of the bytes, or (dynamic) chunks claimed from a
     global counter, so that CTAs whose bytes come sooner take more of them."""
     from microscale.kernels import nvrtc
-    total = n // 16 * (k // 64) * 576
+    total = _nvfp4_bytes(n, k)
     copies = gemm._copies(lambda: torch.randint(0, 255, (total,), dtype=torch.uint8, device="cuda"), total)
     counter = torch.zeros(2, dtype=torch.int32, device="cuda")
     name = f"ms90::ring_queue<{stages}>"
     kernel = nvrtc.load_kernel(nvrtc.compile_kernels((name,), source=queue_source(), label="ring_queue", arch="sm_90a"),
                                name, 0)
     smem = stages * chunk + 1024 + 16 * stages
-    if ctas <= 132:  # one CTA per SM, as decode_ws
+    if ctas <= launch.sm_count(0):  # one CTA per SM, as decode_ws
         smem = max(smem, 116 * 1024)
 
     def call(buf):
@@ -638,9 +643,9 @@ def queue_probes():
                                          (132, stage // 2, 1), (132, stage // 4, 1), (264, stage // 2, 0),
                                          (264, stage // 2, 1)):
                 yield dict(ring_queue(n, k, ctas, chunk, dynamic, stages=4 if chunk >= stage else 8), round=rnd)
-            total = n // 16 * (k // 64) * 576
-            for chunk in (9216, 18432, 36864, 73728):  # a CTA per chunk, more than the SMs hold: the block scheduler
-                yield dict(ring_queue(n, k, total // chunk, chunk, 0, stages=1), round=rnd)  # balances them
+            # a CTA per chunk, many more than the SMs hold: the block scheduler balances them
+            for chunk in (9216, 18432, 36864, 73728):
+                yield dict(ring_queue(n, k, _nvfp4_bytes(n, k) // chunk, chunk, 0, stages=1), round=rnd)
 
 
 def ws_waits_probes():
