@@ -5,6 +5,7 @@
     PYTHONPATH=. python3 bench/stream_probe.py --probe ws-waits|ws-timeline|ws-fill --out ...
     PYTHONPATH=. python3 bench/stream_probe.py --probe ws-promotion --out ...
     PYTHONPATH=. python3 bench/stream_probe.py --probe queue --out bench/results/stream_queue_h200.json
+    PYTHONPATH=. python3 bench/stream_probe.py --probe ws-floor --out bench/results/ws_floor_h200.json
 
 1. (--probe read, the default) Read-only kernels over the bytes of an NVFP4 weight's words (no scales, no decode, no MMA) in
    the decode kernel's access pattern: a program of 4 warps over 4 row groups (64 rows) and one K
@@ -47,6 +48,9 @@
    bytes come sooner take more), two CTAs per SM, a CTA per chunk (many more than the SMs hold at once, balanced by
    the block scheduler as cuBLAS's small CTAs are). Asks whether the 4 SMs decode_ws leaves idle, or balancing the
    CTAs as they run, would shorten the stream.
+10. (--probe ws-floor) At M = 1 on issue #3's key weights, every format: decode_ws "full" (plain and programmatic),
+   "stream" and "consume" (probe 4) beside cuBLAS bf16 in one process, and the time each target asks for: how far
+   the target lies from the kernel's own stream.
 Timed as bench/gemm.py times (CUDA-graph replays, weights rotated over copies larger than the L2).
 """
 
@@ -454,11 +458,11 @@ def _ws_case(fmt, m, n, k):
     from microscale.kernels.sm90 import decode_ws
     from microscale.kernels.sm90.decode import FMT_CODE
     code = FMT_CODE[fmt]
-    _, copies, _ = _prepared_copies(fmt, n, k)
+    _, copies, nbytes = _prepared_copies(fmt, n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     cfg = decode_ws.ring_config(m, n, k, code)
     head = {"format": fmt, "M": m, "N": n, "K": k, "groups": cfg.groups, "split": cfg.split, "k_warps": cfg.k_warps,
-            "steps": cfg.steps, "stages": cfg.stages}
+            "steps": cfg.steps, "stages": cfg.stages, "bytes": nbytes}
     return (lambda p: decode_ws.decode_ws_gemm(x, *p, None, code, n, k, cfg=cfg)), copies, cfg, head
 
 
@@ -471,6 +475,32 @@ def ws_bounds(fmt, m, n, k, rounds=2):
             with _decode_ws_source(src):
                 rec.setdefault(mode, []).append(gemm._time_graph(call, copies))
     return rec
+
+
+def ws_floor(fmt, n, k, want, rounds=3):
+    """Probe 10: at M = 1, decode_ws as it is ("full", plain and programmatic launches), with the consumers' decode and
+    MMAs left out ("stream") and re-reading a filled ring ("consume"), against cuBLAS bf16 on the same shape, rounds
+    interleaved; each keeps its fastest round. target_us is cuBLAS's time over issue #3's speed-up `want`: the time
+    the kernel must reach with plain launches, to set beside its own stream's."""
+    import torch.nn.functional as F
+    call, copies, _, head = _ws_case(fmt, 1, n, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ws = gemm._copies(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)
+    sources = _ws_sources()
+    times = {}
+    for _ in range(rounds):
+        times.setdefault("bf16", []).append(gemm._time_graph(lambda wb: F.linear(x, wb), ws))
+        for mode in ("full", "stream", "consume"):
+            with _decode_ws_source(sources[mode]):
+                plain, programmatic = gemm._time_launches(call, copies, pdl=mode == "full")
+            times.setdefault(mode, []).append(plain)
+            if programmatic is not None:
+                times.setdefault("full_pdl", []).append(programmatic)
+    best = {mode: min(ts) for mode, ts in times.items()}
+    return {"op": "ws floor", **head, "target_speedup": want, "target_us": best["bf16"] / want,
+            **{f"{mode}_us": t for mode, t in best.items()}, "rounds": times,
+            "stream_tbps": head["bytes"] / best["stream"] / 1e6,
+            **{f"{mode}_speedup": best["bf16"] / best[mode] for mode in ("full", "full_pdl", "stream")}}
 
 
 def ws_waits(fmt, m, n, k):
@@ -655,6 +685,12 @@ def ws_waits_probes():
         yield ws_waits(fmt, m, n, k)
 
 
+def ws_floor_probes():
+    for fmt, items in gemm.DECODE_TARGETS.items():
+        for (n, k), want in items:
+            yield ws_floor(fmt, n, k, want)
+
+
 def ws_bounds_probes():
     for fmt, m, n, k in (("nvfp4", 1, 28672, 8192), ("nvfp4", 1, 8192, 28672), ("nvfp4", 1, 8192, 8192),
                          ("mxfp8", 1, 8192, 8192), ("nvfp4", 16, 28672, 8192), ("nvfp4", 1, 28672, 4096),
@@ -664,7 +700,7 @@ def ws_bounds_probes():
 
 PROBES = {"read": read_probes, "ring": ring_probes, "queue": queue_probes, "ws-bounds": ws_bounds_probes,
           "ws-waits": ws_waits_probes, "ws-timeline": ws_timeline_probes, "ws-fill": ws_fill_probes,
-          "ws-promotion": ws_promotion_probes}
+          "ws-promotion": ws_promotion_probes, "ws-floor": ws_floor_probes}
 
 
 def main():
