@@ -1,6 +1,6 @@
 """Four calls of the dispatch's M-row kernel on a fresh weight, for a profiler to take one of (the H200).
 
-    ncu --clock-control none -k regex:decode_ws --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    PYTHONPATH=. ncu --clock-control none -k regex:decode_ws --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
         --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters -o <report> \
         python3 bench/profile_decode_ws.py nvfp4 28672 8192 [M]
